@@ -1,0 +1,6 @@
+"""coop_arena: train PyTorch models under a hard memory budget (Coop sliding-window rematerialization)."""
+
+from .errors import BudgetUsageError, CoopArenaError, OutOfBudget, TensorLost, UnsupportedOp
+from .memory import Memory
+
+__all__ = ["BudgetUsageError", "CoopArenaError", "Memory", "OutOfBudget", "TensorLost", "UnsupportedOp"]

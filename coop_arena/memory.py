@@ -1,0 +1,327 @@
+"""Memory: storages placed in one block table, evicted by one policy, with telemetry.
+
+Allocation policy (Note [Placement]):
+- A request is rounded up to the alignment. If a free block fits, the smallest one is used (best fit, lowest
+  address on ties): no eviction.
+- Otherwise the policy plans (pure) and `apply` evicts the plan's victims (the only mutation), which leaves one
+  free block covering the plan's range; the request is placed there.
+- Cheap tensor partitioning: a storage whose cost per byte is at least `cheap_density` is *expensive* and is
+  placed at the low-address edge of its free block; a cheap one at the high-address edge. Cheap storages so
+  gather into runs that form low-cost windows. `partition=False` places everything at the low edge.
+- A request that no plan can serve raises OutOfBudget before anything changes (Rule 7).
+
+Rules enforced here (see Rule N in ../shared DESIGN numbering):
+- Rule 3: a pinned storage is never evicted; pinning needs a resident storage.
+- Rule 7: failed requests change nothing (the plan is computed before any mutation).
+- Rule 8: decisions depend only on sizes, costs, the logical clock and the order of calls.
+
+Columns: resident storages occupy rows ("slots") of three arrays (`kind`, `c`, `last`); block owners are
+slot + 1 and row 0 is the FREE sentinel, so a policy reads its per-block columns with one gather.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from . import policy as _policy
+from .blocks import FREE as _FREE_OWNER
+from .blocks import BlockTable
+from .errors import OutOfBudget, _internal_assert
+from .policy import BLOCKED, EVICTABLE, FREE, POLICIES
+from .storage import State, Storage, add_consumer, neighbourhood_cost, uf_union
+from .telemetry import MemoryStats, Trace
+
+
+def _check_nbytes(nbytes, what: str = "nbytes") -> int:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
+        raise TypeError(f"{what} must be an int number of bytes, got {type(nbytes).__name__} {nbytes!r}")
+    if nbytes <= 0:
+        raise ValueError(f"{what} must be positive, got {nbytes}")
+    return int(nbytes)
+
+
+class Memory:
+    def __init__(self, nbytes: int, *, policy: str = "coop", partition: bool = True, alignment: int = 512,
+                 cheap_density: float = 4.0, trace_len: int = 10_000):
+        nbytes = _check_nbytes(nbytes, "the budget")
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
+        if not isinstance(partition, bool):
+            raise TypeError(f"partition must be True or False, got {partition!r}")
+        if not (isinstance(cheap_density, (int, float)) and math.isfinite(cheap_density) and cheap_density >= 0):
+            raise ValueError(f"cheap_density must be a finite number >= 0, got {cheap_density!r}")
+        self.policy = policy
+        self.partition = partition
+        self.cheap_density = float(cheap_density)
+        self.table = BlockTable(nbytes, alignment)
+        self.trace_len = trace_len
+        self.reset()
+
+    # --------------------------------------------------------------------------------------------- lifecycle
+    def reset(self) -> None:
+        """Forget every storage: the whole arena is one free block again."""
+        self.table = BlockTable(self.table.nbytes, self.table.alignment)
+        cap = 64
+        self._kind = np.zeros(cap, np.int8)      # per slot+1: FREE (row 0 only), EVICTABLE or BLOCKED
+        self._c = np.zeros(cap, np.float64)      # per slot+1: neighbourhood cost
+        self._last = np.zeros(cap, np.float64)   # per slot+1: last access
+        self._slots: list[Storage | None] = []   # slot -> resident storage
+        self._free_slots: list[int] = []
+        self._next_sid = 0
+        self.clock = 0.0
+        self.stats = MemoryStats(budget=self.table.usable)
+        self.trace = Trace(self.trace_len)
+
+    @property
+    def budget(self) -> int:
+        return self.table.usable
+
+    @property
+    def used_bytes(self) -> int:
+        return self.table.used_bytes
+
+    # ------------------------------------------------------------------------------------------------ public
+    def allocate(self, nbytes: int, cost: float, *, evictable: bool = True, inputs=(), pinned: bool = False,
+                 op: str | None = None) -> Storage:
+        """Place a new storage of `nbytes`, evicting if needed. `cost` is the cost of recomputing it."""
+        nbytes = _check_nbytes(nbytes)
+        cost = float(cost)
+        if not (math.isfinite(cost) and cost >= 0):
+            raise ValueError(f"cost must be a finite number >= 0, got {cost!r}")
+        for s in inputs:
+            if not isinstance(s, Storage):
+                raise TypeError(f"inputs must be Storage records, got {type(s).__name__}")
+        s = Storage(sid=self._next_sid, nbytes=nbytes, cost=cost, evictable=bool(evictable),
+                    expensive=cost >= self.cheap_density * nbytes, state=State.EVICTED, inputs=tuple(inputs))
+        self._place(s, op, pinned)  # raises before anything changed
+        self._next_sid += 1
+        for parent in s.inputs:
+            add_consumer(parent, s)
+        self.stats.allocations += 1
+        self.trace.add("alloc", s.sid, s.offset, nbytes, self.clock)
+        return s
+
+    def restore(self, s: Storage, *, pinned: bool = False, op: str | None = None) -> int:
+        """Place an evicted storage again (its bytes are the caller's to rewrite); returns its offset."""
+        self._check_mine(s)
+        if s.state is not State.EVICTED:
+            raise ValueError(f"storage {s.sid} is {s.state.value}; only an evicted storage can be restored")
+        self._place(s, op, pinned)
+        s.uf_parent = None
+        self.stats.restores += 1
+        self.trace.add("restore", s.sid, s.offset, s.nbytes, self.clock)
+        self._refresh_neighbours(s)
+        return s.offset
+
+    def evict(self, s: Storage) -> None:
+        """Release a resident storage's bytes; it stays recomputable by its owner."""
+        self._check_mine(s)
+        if s.state is not State.RESIDENT:
+            raise ValueError(f"storage {s.sid} is {s.state.value}; only a resident storage can be evicted")
+        if s.pins:
+            raise ValueError(f"storage {s.sid} is pinned {s.pins} time(s); unpin it before evicting it")
+        self._evict(s)
+
+    def free(self, s: Storage) -> None:
+        """Forget a storage for good (resident or evicted)."""
+        self._check_mine(s)
+        if s.state is State.FREED:
+            raise ValueError(f"storage {s.sid} is already freed; freeing twice is a caller bug")
+        if s.pins:
+            raise ValueError(f"storage {s.sid} is pinned {s.pins} time(s); unpin it before freeing it")
+        if s.state is State.RESIDENT:
+            self._release(s)
+        s.state = State.FREED
+        s.uf_parent = None
+        self.trace.add("free", s.sid, -1, s.nbytes, self.clock)
+
+    def pin(self, s: Storage) -> None:
+        self._check_mine(s)
+        if s.state is not State.RESIDENT:
+            raise ValueError(f"storage {s.sid} is {s.state.value}; only a resident storage can be pinned")
+        s.pins += 1
+        self._kind[s.slot + 1] = BLOCKED
+
+    def unpin(self, s: Storage) -> None:
+        self._check_mine(s)
+        if s.pins <= 0:
+            raise ValueError(f"storage {s.sid} is not pinned; unpin must match an earlier pin")
+        s.pins -= 1
+        if s.pins == 0 and s.state is State.RESIDENT:
+            self._kind[s.slot + 1] = EVICTABLE if s.evictable else BLOCKED
+
+    def touch(self, s: Storage) -> None:
+        s.last_access = self.clock
+        if s.state is State.RESIDENT:
+            self._last[s.slot + 1] = self.clock
+
+    def make_unevictable(self, s: Storage) -> None:
+        self._check_mine(s)
+        s.evictable = False
+        if s.state is State.RESIDENT:
+            self._kind[s.slot + 1] = BLOCKED
+
+    def advance(self, cost: float) -> None:
+        """Move the logical clock by the cost of an op that ran."""
+        self.clock += float(cost)
+
+    def fits(self, nbytes: int) -> bool:
+        return self.table.best_fit(nbytes) is not None
+
+    def plan(self, nbytes: int) -> _policy.EvictionPlan | None:
+        """The policy's plan for a request that no free block serves (pure)."""
+        off, sizes, kind, c, last = self._columns()
+        return _policy.plan(self.policy, off, sizes, kind, c, last, self.clock, self.table.round_up(nbytes))
+
+    @property
+    def unevictable_bytes(self) -> int:
+        _, sizes, kind, _, _ = self._columns()
+        return int(sizes[kind == BLOCKED].sum())
+
+    def largest_window(self) -> int:
+        _, sizes, kind, _, _ = self._columns()
+        return _policy.largest_window(sizes, kind)
+
+    def resident(self) -> list[Storage]:
+        return [s for s in self._slots if s is not None]
+
+    # ------------------------------------------------------------------------------------------------ inner
+    def _check_mine(self, s: Storage) -> None:
+        if not isinstance(s, Storage):
+            raise TypeError(f"expected a Storage record, got {type(s).__name__}")
+        if s.state is State.RESIDENT and (s.slot >= len(self._slots) or self._slots[s.slot] is not s):
+            raise ValueError(f"storage {s.sid} does not belong to this Memory")
+
+    def _columns(self):
+        own = self.table.owners
+        return self.table.offsets, self.table.sizes, self._kind[own], self._c[own], self._last[own]
+
+    def _place(self, s: Storage, op: str | None, pinned: bool) -> None:
+        table = self.table
+        need = table.round_up(s.nbytes)
+        at = table.best_fit(need)
+        if at is None:
+            t0 = time.perf_counter()
+            off, sizes, kind, c, last = self._columns()
+            plan = _policy.plan(self.policy, off, sizes, kind, c, last, self.clock, need)
+            dt = time.perf_counter() - t0
+            if plan is None:
+                self.trace.add("out_of_budget", s.sid, -1, s.nbytes, self.clock)
+                raise OutOfBudget(s.nbytes, table.nbytes, int(sizes[kind == BLOCKED].sum()),
+                                  _policy.largest_window(sizes, kind), op)
+            at = self._apply(plan, need, dt)
+        slot = self._free_slots.pop() if self._free_slots else self._new_slot()
+        s.offset = table.place(at, need, slot + 1, high=self.partition and not s.expensive)
+        s.slot = slot
+        s.state = State.RESIDENT
+        self._slots[slot] = s
+        if pinned:
+            s.pins += 1
+        self._kind[slot + 1] = BLOCKED if (s.pins or not s.evictable) else EVICTABLE
+        self._c[slot + 1] = neighbourhood_cost(s)
+        self._last[slot + 1] = s.last_access = self.clock
+        self.stats.peak_bytes = max(self.stats.peak_bytes, table.used_bytes)
+
+    def _apply(self, plan: _policy.EvictionPlan, need: int, search_seconds: float) -> int:
+        """Evict the plan's victims; returns the offset of the free block that now covers the plan's range."""
+        table, st = self.table, self.stats
+        off, sizes = table.offsets, table.sizes
+        victims = [self._slots[int(table.owners[i]) - 1] for i in plan.victims]
+        evicted = sum(int(sizes[i]) for i in plan.victims)
+        inside = sum(int(sizes[i]) for i in plan.victims if plan.start <= off[i] < plan.end)
+        # the request takes the range's free bytes first; eviction had to supply only the rest
+        useful = max(0, need - ((plan.end - plan.start) - inside))
+        st.eviction_events += 1
+        st.excess_bytes += evicted - useful
+        st.fragmentation_sum += table.free_bytes / table.usable
+        st.search_seconds += search_seconds
+        st.search_seconds_max = max(st.search_seconds_max, search_seconds)
+        st.evictions += len(victims)
+        st.evicted_bytes += evicted
+        for v in victims:
+            _internal_assert(v is not None and v.pins == 0 and v.evictable, f"{plan} picked an unevictable block")
+            self._evict(v)
+        i = int(np.searchsorted(table.offsets, plan.start, side="right")) - 1
+        o, size, owner = table.block(i)
+        _internal_assert(owner == _FREE_OWNER and o + size >= plan.end and size >= need,
+                         f"after applying {plan}, block {o}+{size} (owner {owner}) does not cover the range")
+        return o
+
+    def _new_slot(self) -> int:
+        slot = len(self._slots)
+        self._slots.append(None)
+        if slot + 2 > len(self._kind):
+            self._kind = np.concatenate([self._kind, np.zeros_like(self._kind)])
+            self._c = np.concatenate([self._c, np.zeros_like(self._c)])
+            self._last = np.concatenate([self._last, np.zeros_like(self._last)])
+        return slot
+
+    def _release(self, s: Storage) -> None:
+        self.table.release(s.offset)
+        self._slots[s.slot] = None
+        self._free_slots.append(s.slot)
+        self._kind[s.slot + 1] = FREE
+        s.offset = s.slot = -1
+
+    def _evict(self, s: Storage) -> None:
+        self._release(s)
+        s.state = State.EVICTED
+        s.uf_parent, s.uf_cost = s, s.cost
+        for nb in s.neighbours():
+            if nb.state is State.EVICTED and nb.uf_parent is not None:
+                uf_union(s, nb)
+        self.trace.add("evict", s.sid, -1, s.nbytes, self.clock)
+        self._refresh_neighbours(s)
+
+    def _refresh_neighbours(self, s: Storage) -> None:
+        for nb in s.neighbours():
+            if nb.state is State.RESIDENT:
+                self._c[nb.slot + 1] = neighbourhood_cost(nb)
+
+    # ----------------------------------------------------------------------------------------- observability
+    def snapshot(self) -> list[dict]:
+        """The blocks in address order as plain data: offset, size, state and owner sid."""
+        out = []
+        for o, size, own in zip(self.table.offsets.tolist(), self.table.sizes.tolist(), self.table.owners.tolist()):
+            if own == _FREE_OWNER:
+                out.append({"offset": o, "size": size, "state": "free", "sid": None})
+            else:
+                s = self._slots[own - 1]
+                state = "pinned" if s.pins else ("resident" if s.evictable else "unevictable")
+                out.append({"offset": o, "size": size, "state": state, "sid": s.sid, "nbytes": s.nbytes,
+                            "cost": s.cost, "expensive": s.expensive})
+        return out
+
+    def check_invariants(self) -> None:
+        table = self.table
+        table.check_invariants()
+        _internal_assert(self._kind[0] == FREE and self._c[0] == 0, "row 0 of the columns is not the FREE sentinel")
+        owners = table.owners
+        live = 0
+        for slot, s in enumerate(self._slots):
+            if s is None:
+                _internal_assert(self._kind[slot + 1] == FREE, f"empty slot {slot} has kind {self._kind[slot + 1]}")
+                continue
+            live += 1
+            _internal_assert(s.state is State.RESIDENT and s.slot == slot,
+                             f"storage {s.sid} in slot {slot} has state {s.state.value} and slot {s.slot}")
+            i = table.index_of(s.offset)
+            _internal_assert(int(owners[i]) == slot + 1, f"block at {s.offset} is owned by {owners[i] - 1}, "
+                                                          f"storage {s.sid} claims it (slot {slot})")
+            _internal_assert(int(table.sizes[i]) == table.round_up(s.nbytes),
+                             f"storage {s.sid} needs {table.round_up(s.nbytes)} bytes, its block has {table.sizes[i]}")
+            want = BLOCKED if (s.pins or not s.evictable) else EVICTABLE
+            _internal_assert(self._kind[slot + 1] == want, f"storage {s.sid}: kind column {self._kind[slot + 1]}, "
+                                                            f"record says {want}")
+            _internal_assert(self._last[slot + 1] == s.last_access,
+                             f"storage {s.sid}: last column {self._last[slot + 1]}, record {s.last_access}")
+            _internal_assert(s.pins >= 0, f"storage {s.sid} has {s.pins} pins")
+        owned = int(np.count_nonzero(owners))
+        _internal_assert(live == owned, f"{live} resident storages, {owned} owned blocks")
+        _internal_assert(sorted(self._free_slots) == [i for i, s in enumerate(self._slots) if s is None],
+                         "free slot list differs from a recount")
+        _internal_assert(self.stats.peak_bytes >= table.used_bytes and self.stats.peak_bytes <= table.usable,
+                         f"peak {self.stats.peak_bytes} vs used {table.used_bytes} and budget {table.usable}")

@@ -1,0 +1,64 @@
+"""Telemetry as plain data: counters, a bounded event trace. Tests, reports and error messages read these."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
+
+
+@dataclass(slots=True)
+class MemoryStats:
+    """Counters of one Memory since its last reset. Written by Memory only (the runtime adds its own)."""
+
+    budget: int = 0
+    allocations: int = 0          # placements of new storages
+    restores: int = 0             # placements of evicted storages brought back
+    eviction_events: int = 0      # placements that needed eviction
+    evictions: int = 0            # storages evicted by a policy to make room
+    evicted_bytes: int = 0        # block bytes those evictions released
+    excess_bytes: int = 0         # evicted bytes minus what each request needed beyond the free bytes of its range
+    search_seconds: float = 0.0   # time spent choosing victims, all events
+    search_seconds_max: float = 0.0
+    fragmentation_sum: float = 0.0  # sum over eviction events of free bytes / budget before evicting
+    peak_bytes: int = 0           # high-water mark of bytes held by resident storages (aligned)
+
+    @property
+    def fragmentation(self) -> float:
+        """Mean free bytes / budget over the placements that needed eviction (0 when none did)."""
+        return self.fragmentation_sum / self.eviction_events if self.eviction_events else 0.0
+
+    @property
+    def search_seconds_per_event(self) -> float:
+        return self.search_seconds / self.eviction_events if self.eviction_events else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["fragmentation"] = self.fragmentation
+        d["search_seconds_per_event"] = self.search_seconds_per_event
+        return d
+
+
+class Event(NamedTuple):
+    kind: str      # "alloc", "restore", "evict", "free", "out_of_budget"
+    sid: int
+    offset: int
+    nbytes: int
+    clock: float
+
+
+@dataclass(slots=True)
+class Trace:
+    """The most recent `maxlen` events, oldest first."""
+
+    maxlen: int = 10_000
+    events: deque = field(default_factory=deque)
+
+    def __post_init__(self):
+        self.events = deque(maxlen=self.maxlen)
+
+    def add(self, kind: str, sid: int, offset: int, nbytes: int, clock: float) -> None:
+        self.events.append(Event(kind, sid, offset, nbytes, clock))
+
+    def evictions(self) -> list[int]:
+        return [e.sid for e in self.events if e.kind == "evict"]

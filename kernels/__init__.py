@@ -1,0 +1,1 @@
+"""Triton kernels for coop_arena (installed as coop_arena.kernels)."""
