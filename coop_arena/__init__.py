@@ -4,3 +4,8 @@ from .errors import BudgetUsageError, CoopArenaError, OutOfBudget, TensorLost, U
 from .memory import Memory
 
 __all__ = ["BudgetUsageError", "CoopArenaError", "Memory", "OutOfBudget", "TensorLost", "UnsupportedOp"]
+
+from .budget import Budget, BudgetStats, pinned  # noqa: E402
+from .tensor import Tensor  # noqa: E402
+
+__all__ += ["Budget", "BudgetStats", "Tensor", "pinned"]

@@ -31,7 +31,7 @@ from .blocks import FREE as _FREE_OWNER
 from .blocks import BlockTable
 from .errors import OutOfBudget, _internal_assert
 from .policy import BLOCKED, EVICTABLE, FREE, POLICIES
-from .storage import State, Storage, add_consumer, neighbourhood_cost, uf_union
+from .storage import State, Storage, add_consumer, neighbourhood_cost, uf_find, uf_union
 from .telemetry import MemoryStats, Trace
 
 
@@ -41,6 +41,15 @@ def _check_nbytes(nbytes, what: str = "nbytes") -> int:
     if nbytes <= 0:
         raise ValueError(f"{what} must be positive, got {nbytes}")
     return int(nbytes)
+
+
+def _check_cost(cost, what: str = "cost") -> float:
+    if isinstance(cost, bool) or not isinstance(cost, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{what} must be a number, got {type(cost).__name__} {cost!r}")
+    cost = float(cost)
+    if not (math.isfinite(cost) and cost >= 0):
+        raise ValueError(f"{what} must be a finite number >= 0, got {cost!r}")
+    return cost
 
 
 class Memory:
@@ -88,9 +97,7 @@ class Memory:
                  op: str | None = None) -> Storage:
         """Place a new storage of `nbytes`, evicting if needed. `cost` is the cost of recomputing it."""
         nbytes = _check_nbytes(nbytes)
-        cost = float(cost)
-        if not (math.isfinite(cost) and cost >= 0):
-            raise ValueError(f"cost must be a finite number >= 0, got {cost!r}")
+        cost = _check_cost(cost)
         for s in inputs:
             if not isinstance(s, Storage):
                 raise TypeError(f"inputs must be Storage records, got {type(s).__name__}")
@@ -110,7 +117,8 @@ class Memory:
         if s.state is not State.EVICTED:
             raise ValueError(f"storage {s.sid} is {s.state.value}; only an evicted storage can be restored")
         self._place(s, op, pinned)
-        s.uf_parent = None
+        self._leave_class(s)
+        self._c[s.slot + 1] = neighbourhood_cost(s)  # _place counted its own class, which it has just left
         self.stats.restores += 1
         self.trace.add("restore", s.sid, s.offset, s.nbytes, self.clock)
         self._refresh_neighbours(s)
@@ -132,10 +140,13 @@ class Memory:
             raise ValueError(f"storage {s.sid} is already freed; freeing twice is a caller bug")
         if s.pins:
             raise ValueError(f"storage {s.sid} is pinned {s.pins} time(s); unpin it before freeing it")
-        if s.state is State.RESIDENT:
+        was = s.state
+        if was is State.RESIDENT:
             self._release(s)
         s.state = State.FREED
-        s.uf_parent = None
+        if was is State.EVICTED:
+            self._leave_class(s)
+            self._refresh_neighbours(s)
         self.trace.add("free", s.sid, -1, s.nbytes, self.clock)
 
     def pin(self, s: Storage) -> None:
@@ -154,6 +165,7 @@ class Memory:
             self._kind[s.slot + 1] = EVICTABLE if s.evictable else BLOCKED
 
     def touch(self, s: Storage) -> None:
+        self._check_mine(s)
         s.last_access = self.clock
         if s.state is State.RESIDENT:
             self._last[s.slot + 1] = self.clock
@@ -166,7 +178,7 @@ class Memory:
 
     def advance(self, cost: float) -> None:
         """Move the logical clock by the cost of an op that ran."""
-        self.clock += float(cost)
+        self.clock += _check_cost(cost)  # a clock that went back would make staleness <= 0
 
     def fits(self, nbytes: int) -> bool:
         return self.table.best_fit(nbytes) is not None
@@ -269,12 +281,26 @@ class Memory:
     def _evict(self, s: Storage) -> None:
         self._release(s)
         s.state = State.EVICTED
-        s.uf_parent, s.uf_cost = s, s.cost
+        if s.uf_parent is None:
+            s.uf_parent, s.uf_cost = s, s.cost
+        else:  # evicted before: it rejoins its old class (see _leave_class)
+            root = uf_find(s)
+            root.uf_cost += s.cost
         for nb in s.neighbours():
             if nb.state is State.EVICTED and nb.uf_parent is not None:
                 uf_union(s, nb)
         self.trace.add("evict", s.sid, -1, s.nbytes, self.clock)
         self._refresh_neighbours(s)
+
+    @staticmethod
+    def _leave_class(s: Storage) -> None:
+        """A storage that comes back (restore) or goes for good (free of an evicted one) takes its cost out of
+        its evicted class. Union-find cannot split a class (DTR's approximation), so its node stays in the tree
+        as a link: the other members still reach their root through it, and class membership counts only
+        storages whose state is EVICTED."""
+        if s.uf_parent is not None:
+            root = uf_find(s)
+            root.uf_cost = max(0.0, root.uf_cost - s.cost)
 
     def _refresh_neighbours(self, s: Storage) -> None:
         for nb in s.neighbours():

@@ -33,7 +33,8 @@ class Storage:
     last_access: float = 0.0      # logical clock of the last use; Memory.touch
     inputs: tuple["Storage", ...] = ()                          # producer's input storages; Memory.allocate
     consumers: list = field(default_factory=list)               # weakrefs to storages reading this; Memory.allocate
-    uf_parent: "Storage | None" = None  # union-find parent while evicted (a root points to itself); Memory only
+    uf_parent: "Storage | None" = None  # union-find parent once evicted (a root points to itself; kept as a link
+                                        # after restore or free, see Memory._leave_class); Memory only
     uf_cost: float = 0.0                # at a root: total cost of its class; Memory only
     payload: object = None        # the runtime's data (recipe, views); the runtime only
 

@@ -1,0 +1,168 @@
+"""Budget: the user-facing context manager. Inside `with budget:` every op runs through the Runtime.
+
+    budget = coop_arena.Budget(64 << 20)
+    with budget:
+        loss = model(x).sum()
+        loss.backward()
+    optimizer.step()
+
+The arena is allocated once per Budget and reused by every later block. Configuration is constructor arguments,
+validated here; nothing reads the environment.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .arena import Arena, resolve_device
+from .errors import BudgetUsageError, _internal_assert
+from .memory import Memory
+from .policy import POLICIES
+from .runtime import Runtime, raise_recursion_limit
+from .tensor import Tensor
+
+_active = threading.local()
+
+
+@dataclass(frozen=True)
+class BudgetStats:
+    """What the most recent block did. Plain data."""
+
+    budget: int                # usable arena bytes
+    peak_bytes: int            # high-water mark of bytes held in the arena
+    ops: int                   # ops the program ran (replays not counted)
+    evictions: int             # storages evicted to make room
+    eviction_events: int       # placements that needed eviction
+    evicted_bytes: int
+    excess_bytes: int          # evicted bytes beyond what the requests needed
+    rematerializations: int    # storages rebuilt from their recipes
+    compute_cost: float        # analytic cost of the program's ops
+    recompute_cost: float      # analytic cost of every replay
+    compute_overhead: float    # (compute_cost + recompute_cost) / compute_cost
+    search_seconds: float      # time spent choosing victims, in total
+    search_seconds_per_event: float
+    fragmentation: float       # mean free bytes / budget over placements that needed eviction
+    unevictable_bytes: int     # peak bytes of unevictable storages
+    frozen: int                # storages made unevictable by a later write to what they read
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, runtime: Runtime):
+        super().__init__()
+        self.runtime = runtime
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.runtime.run(func, args, kwargs or {})
+
+
+class Budget:
+    def __init__(self, nbytes: int, *, device=None, policy: str = "coop", partition: bool = True,
+                 recomputable_inplace: bool = True, alignment: int = 512, cheap_density: float = 4.0,
+                 trace_len: int = 10_000):
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise ValueError(f"nbytes must be a positive int number of bytes, got {nbytes!r} "
+                             f"(for example coop_arena.Budget(4 << 30) for 4 GiB)")
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; accepted: {', '.join(POLICIES)}")
+        for name, v in (("partition", partition), ("recomputable_inplace", recomputable_inplace)):
+            if not isinstance(v, bool):
+                raise ValueError(f"{name} must be True or False, got {v!r}")
+        self.device = resolve_device(device)
+        self.policy = policy
+        self.recomputable_inplace = recomputable_inplace
+        self.memory = Memory(nbytes, policy=policy, partition=partition, alignment=alignment,
+                             cheap_density=cheap_density, trace_len=trace_len)
+        self.arena = Arena(nbytes, self.device, self.memory.table.usable)
+        self._runtime: Runtime | None = None
+        self._mode: _Mode | None = None
+        self._stats: BudgetStats | None = None
+
+    def __repr__(self) -> str:
+        return f"Budget({self.memory.budget} bytes, device={self.device}, policy={self.policy!r})"
+
+    # --------------------------------------------------------------------------------------------- context
+    def __enter__(self) -> "Budget":
+        other = getattr(_active, "budget", None)
+        if other is not None:
+            raise BudgetUsageError(f"{other!r} is already active; Budgets do not nest. Leave it before entering "
+                                   f"{self!r}, or use one Budget for the whole step")
+        raise_recursion_limit()
+        self.memory.reset()
+        self._runtime = Runtime(self.memory, self.arena, recomputable_inplace=self.recomputable_inplace)
+        self._mode = _Mode(self._runtime)
+        self._mode.__enter__()
+        _active.budget = self
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        _internal_assert(self._mode is not None, "Budget exited without being entered")
+        try:
+            self._mode.__exit__(None, None, None)
+        finally:
+            _active.budget = None
+            rt, self._mode = self._runtime, None
+            try:
+                rt.finish()
+            finally:
+                self._stats = self._collect(rt)
+                self.memory.reset()
+                self._runtime = None
+        return False
+
+    def _collect(self, rt: Runtime) -> BudgetStats:
+        m, c = self.memory.stats, rt.counters
+        return BudgetStats(
+            budget=self.memory.budget, peak_bytes=m.peak_bytes, ops=c.ops, evictions=m.evictions,
+            eviction_events=m.eviction_events, evicted_bytes=m.evicted_bytes, excess_bytes=m.excess_bytes,
+            rematerializations=c.rematerializations, compute_cost=c.compute_cost, recompute_cost=c.recompute_cost,
+            compute_overhead=(c.compute_cost + c.recompute_cost) / c.compute_cost if c.compute_cost else 1.0,
+            search_seconds=m.search_seconds, search_seconds_per_event=m.search_seconds_per_event,
+            fragmentation=m.fragmentation, unevictable_bytes=c.unevictable_peak, frozen=c.frozen)
+
+    # ----------------------------------------------------------------------------------------- observability
+    @property
+    def stats(self) -> BudgetStats | None:
+        """Stats of the block in progress, or of the most recent one."""
+        return self._collect(self._runtime) if self._runtime is not None else self._stats
+
+    def snapshot(self) -> list[dict]:
+        """The arena's blocks in address order as plain data (empty arena outside a block)."""
+        return self.memory.snapshot()
+
+    @property
+    def trace(self):
+        return self.memory.trace.events
+
+    def check_invariants(self) -> None:
+        self.memory.check_invariants()
+
+
+@contextmanager
+def pinned(t: Tensor, *, readonly: bool = False):
+    """A plain tensor over `t`'s arena bytes that cannot be evicted while the `with` lasts, for launching a
+    Triton or CuPy kernel by hand. A kernel may write through it; since such a write is invisible to the
+    recipe, the storage becomes unevictable afterwards unless `readonly=True` promises it only read."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"pinned() takes a coop_arena.Tensor made inside a Budget, got {type(t).__name__}")
+    s = t._cell.storage
+    rt = s.payload.runtime
+    if rt is None:
+        yield t.as_plain()
+        return
+    rt._make_resident(s)
+    rt.memory.pin(s)
+    try:
+        yield rt.arena.view(s.offset, t.dtype, t.size(), t.stride(), t.storage_offset())
+    finally:
+        rt.memory.unpin(s)
+        if not readonly and s.payload.runtime is rt:
+            rt._freeze_readers(s)
+            rt._make_unevictable(s)
