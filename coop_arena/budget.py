@@ -23,7 +23,7 @@ from .arena import Arena, resolve_device
 from .errors import BudgetUsageError, _internal_assert
 from .memory import Memory
 from .policy import POLICIES
-from .runtime import Runtime, raise_recursion_limit
+from .runtime import Runtime, _plain_dispatch, raise_recursion_limit
 from .tensor import Tensor
 
 _active = threading.local()
@@ -157,12 +157,14 @@ def pinned(t: Tensor, *, readonly: bool = False):
     if rt is None:
         yield t.as_plain()
         return
-    rt._make_resident(s)
+    with _plain_dispatch():
+        rt._make_resident(s)
     rt.memory.pin(s)
     try:
         yield rt.arena.view(s.offset, t.dtype, t.size(), t.stride(), t.storage_offset())
     finally:
         rt.memory.unpin(s)
         if not readonly and s.payload.runtime is rt:
-            rt._freeze_readers(s)
-            rt._make_unevictable(s)
+            with _plain_dispatch():
+                rt._freeze_readers(s)
+                rt._make_unevictable(s)

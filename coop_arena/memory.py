@@ -185,8 +185,7 @@ class Memory:
 
     def plan(self, nbytes: int) -> _policy.EvictionPlan | None:
         """The policy's plan for a request that no free block serves (pure)."""
-        off, sizes, kind, c, last = self._columns()
-        return _policy.plan(self.policy, off, sizes, kind, c, last, self.clock, self.table.round_up(nbytes))
+        return self._plan(self.table.round_up(nbytes))
 
     @property
     def unevictable_bytes(self) -> int:
@@ -211,17 +210,27 @@ class Memory:
         own = self.table.owners
         return self.table.offsets, self.table.sizes, self._kind[own], self._c[own], self._last[own]
 
+    def _plan(self, need: int) -> _policy.EvictionPlan | None:
+        if self.policy == "coop":
+            # coop reads c/s only: computed per slot, then gathered once (the same values as computing it on the
+            # gathered c and last). Row 0 (FREE) has c == 0, so free blocks get 0 as coop_window requires.
+            own, k = self.table.owners, len(self._slots) + 1
+            h = _policy.heuristic(self._c[:k], self._last[:k], self.clock)[own]
+            return _policy.coop_window(self.table.offsets, self.table.sizes, self._kind[own], h, need)
+        off, sizes, kind, c, last = self._columns()
+        return _policy.plan(self.policy, off, sizes, kind, c, last, self.clock, need)
+
     def _place(self, s: Storage, op: str | None, pinned: bool) -> None:
         table = self.table
         need = table.round_up(s.nbytes)
         at = table.best_fit(need)
         if at is None:
             t0 = time.perf_counter()
-            off, sizes, kind, c, last = self._columns()
-            plan = _policy.plan(self.policy, off, sizes, kind, c, last, self.clock, need)
+            plan = self._plan(need)
             dt = time.perf_counter() - t0
             if plan is None:
                 self.trace.add("out_of_budget", s.sid, -1, s.nbytes, self.clock)
+                _, sizes, kind, _, _ = self._columns()
                 raise OutOfBudget(s.nbytes, table.nbytes, int(sizes[kind == BLOCKED].sum()),
                                   _policy.largest_window(sizes, kind), op)
             at = self._apply(plan, need, dt)

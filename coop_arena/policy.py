@@ -7,8 +7,8 @@ the only place a plan takes effect.
 
 - coop: the sliding window. Among all runs of consecutive blocks with no BLOCKED block whose bytes cover the
   request, take the one with the least total c/s (free blocks count zero). For each right end the best left end
-  is the shortest covering one (costs are >= 0), found for all right ends at once with prefix sums and a
-  binary search over them: one vectorized pass.
+  is the shortest covering one (costs are >= 0), found for all right ends at once with prefix sums and one
+  merge of two sorted arrays (Note [Coop window search]): a handful of vectorized passes.
 - dtr: evict the evictable storage with the least c/(m*s), anywhere, one at a time, until the free run that the
   last victim joined covers the request (address-oblivious: earlier victims elsewhere stay evicted).
 - dte: dtr with m counting the free bytes adjacent on both sides of the storage as well (MegEngine's variant).
@@ -36,29 +36,66 @@ class EvictionPlan:
 
 
 def heuristic(c: np.ndarray, last: np.ndarray, clock: float) -> np.ndarray:
-    return c / (clock - last + 1.0)
+    d = clock - last
+    d += 1.0
+    return np.divide(c, d, out=d)  # c / (clock - last + 1.0), one temporary
 
 
 def plan_coop(offsets, sizes, kind, c, last, clock: float, need: int) -> EvictionPlan | None:
-    h = np.where(kind == EVICTABLE, heuristic(c, last, clock), 0.0)
-    p0 = np.zeros(len(sizes) + 1, np.int64)
+    h = heuristic(c, last, clock)
+    h[kind != EVICTABLE] = 0.0
+    return coop_window(offsets, sizes, kind, h, need)
+
+
+# Note [Coop window search]
+# Rationale: the search runs once per allocation that needs eviction, over every block of the arena, so its
+#   constant factor is the latency the user sees. Each numpy pass costs ~1 us of overhead at 1,000 blocks.
+# Approach: with prefix sums p0 (bytes) and h0 (c/s), the best window ending at block r starts at
+#   left[r] = max{l : p0[l] <= p0[r+1] - need}, and costs h0[r+1] - h0[left[r]].
+#   - Right ends with p0[r+1] < need cannot cover: they are cut off with one scalar search (`first`).
+#   - p0 and the targets p0[r+1] - need are both sorted, so left[] is a merge, not n binary searches: a stable
+#     sort of the two concatenated runs (timsort merges two runs in linear time) puts each target right after
+#     the p0 values <= it, and its position minus the targets before it is its count.
+#   - A window is valid when no BLOCKED block lies in [left[r], r]: left[r] > the last BLOCKED index <= r.
+#     BLOCKED blocks are few, so that index is built with one np.repeat over the gaps between them.
+# Decisions are those of the plain formulation (same prefix sums, same subtraction, first minimum on ties):
+# tests/test_memory_properties.py compares the two bit for bit.
+def coop_window(offsets, sizes, kind, h, need: int) -> EvictionPlan | None:
+    """The coop plan from c/s per block `h`, which must be 0 at FREE blocks (it is zeroed at BLOCKED ones here,
+    in place)."""
+    n = len(sizes)
+    p0 = np.empty(n + 1, np.int64)
+    p0[0] = 0
     np.cumsum(sizes, out=p0[1:])
-    h0 = np.zeros(len(sizes) + 1)
-    np.cumsum(h, out=h0[1:])
-    b0 = np.zeros(len(sizes) + 1, np.int64)
-    np.cumsum(kind == BLOCKED, out=b0[1:])
-    target = p0[1:] - need                                   # window [l, r] covers iff p0[l] <= p0[r+1] - need
-    left = np.searchsorted(p0, target, side="right") - 1     # the largest such l, -1 if none
-    ok = left >= 0
-    lc = np.where(ok, left, 0)
-    ok &= b0[1:] - b0[lc] == 0                               # no pinned or unevictable block inside
-    if not ok.any():
+    first = int(np.searchsorted(p0, need))           # the first right end r that can cover is first - 1
+    if first > n:
         return None
-    cost = np.where(ok, h0[1:] - h0[lc], np.inf)
-    r = int(np.argmin(cost))
-    lo = int(lc[r])
-    victims = tuple(int(i) for i in np.nonzero(kind[lo : r + 1] == EVICTABLE)[0] + lo)
-    return EvictionPlan(victims, int(offsets[lo]), int(offsets[r] + sizes[r]), float(cost[r]), "coop")
+    target = p0[first:] - need                       # >= 0, so left >= 0
+    m = n + 1 - first
+    merged = np.argsort(np.concatenate((p0, target)), kind="stable")
+    left = np.flatnonzero(merged > n)                # positions of the targets in the merged order
+    left -= np.arange(1, m + 1)                      # ... minus the targets before them, minus one
+    blocked = np.flatnonzero(kind == BLOCKED)
+    h0 = np.empty(n + 1)
+    h0[0] = 0.0
+    if blocked.size:
+        h[blocked] = 0.0
+        np.cumsum(h, out=h0[1:])
+        gaps = np.diff(blocked, prepend=0, append=n)
+        last_blocked = np.repeat(np.concatenate(([-1], blocked)), gaps)   # per block: last BLOCKED index <= it
+        valid = np.flatnonzero(left > last_blocked[first - 1 :])
+        if valid.size == 0:
+            return None
+        cost = h0[valid + first] - h0[left[valid]]
+        j = int(np.argmin(cost))
+        r, lo = int(valid[j]) + first - 1, int(left[valid[j]])
+    else:
+        np.cumsum(h, out=h0[1:])
+        cost = h0[first:] - h0[left]
+        j = int(np.argmin(cost))
+        r, lo = j + first - 1, int(left[j])
+    victims = tuple(int(i) for i in np.flatnonzero(kind[lo : r + 1] == EVICTABLE) + lo)
+    return EvictionPlan(victims, int(offsets[lo]), int(offsets[r] + sizes[r]), float(cost[j]), "coop")
 
 
 def _run(freeish: np.ndarray, i: int) -> tuple[int, int]:

@@ -2,7 +2,9 @@
 
 Rules (from the design, cited in the code as "See Rule N"):
 1. Tensors that existed before the block (plain tensors, or coop tensors from an earlier block) are read, never
-   moved, evicted or counted. Everything produced inside lives in the arena and counts.
+   moved, evicted or counted. Everything produced inside lives in the arena and counts, with one exception: a
+   leaf's gradient leaves the arena as soon as autograd has accumulated it (a post-accumulate-grad hook), since
+   it is model-sized state like the parameter itself and is final from then on.
 2. Eviction and recomputation work per storage: a base and its views go and come back together.
 3. A recomputation pins every input on its path until it completes; intermediates restored only to rebuild a
    needed tensor (no live wrapper) are released right after use.
@@ -48,6 +50,9 @@ aten = torch.ops.aten
 _UNINITIALIZED = {aten.empty_like, aten.empty, aten.new_empty, aten.new_empty_strided, aten.empty_strided}
 # Namespaces of ops with effects outside their outputs (collectives): outputs unevictable (Rule 5).
 _EFFECTFUL_NAMESPACES = {"_c10d_functional", "c10d", "c10d_functional", "_dtensor"}
+# (op, its non-tensor arguments) -> positions of external tensor arguments it writes although its schema does
+# not say so (native_batch_norm's running statistics). Found by comparing the arguments around the first call.
+_UNMARKED_WRITES: dict = {}
 
 
 @dataclass(slots=True, eq=False)
@@ -70,6 +75,7 @@ class Recipe:
     rng: object             # (generator, state) captured before a random op ran, else None (Rule 4)
     cost: float
     uninitialized: bool = False
+    grad_mode: bool = True  # some kernels return different outputs with grad mode off (mkldnn_rnn_layer's workspace)
 
 
 @dataclass(slots=True, eq=False)
@@ -98,7 +104,8 @@ class Data:
         _internal_assert(rt is not None, "a storage with neither an arena nor a copy")
         s = self.cell.storage
         if s.state is not State.RESIDENT:
-            rt.restore(s)
+            with _plain_dispatch():
+                rt.restore(s)
         return rt.arena.view(s.offset, t.dtype, t.size(), t.stride(), t.storage_offset())
 
 
@@ -139,6 +146,20 @@ def _generator_for(device: torch.device, kwargs: dict):
 
 
 @contextmanager
+def _plain_dispatch():
+    """Run ops as the dispatch handler does (no autograd, no dispatch mode), for restores started elsewhere."""
+    with torch.utils._python_dispatch._disable_current_modes(), torch._C._AutoDispatchBelowADInplaceOrView():
+        yield
+
+
+@contextmanager
+def _replaying(recipe: "Recipe"):
+    """The conditions the op first ran under: grad mode and, for a random op, the generator state (Rule 4)."""
+    with torch.set_grad_enabled(recipe.grad_mode), _rng(recipe.rng):
+        yield
+
+
+@contextmanager
 def _rng(saved):
     if saved is None:
         yield
@@ -174,8 +195,9 @@ class Runtime:
         self.live: dict[int, Storage] = {}          # storages with live wrappers
         self._dead: list[Storage] = []              # storages whose last wrapper died; handled at safe points
         self._ext_readers: dict[int, list] = {}     # external storage key -> weakrefs of storages reading it
-        self._externals: dict[int, weakref.ref] = {}  # tensors from before the block that ops read (for .grad)
-        self._finalizers: list = []
+        self._externals: dict[int, weakref.ref] = {}  # leaves from before the block that ops read (for .grad)
+        self._hooks: list = []                        # their post-accumulate-grad hooks
+        self._restored: list[Storage] = []         # intermediates restored for the op in progress (Rule 3)
 
     # ============================================================================================ dispatch
     def run(self, func, args, kwargs):
@@ -205,8 +227,9 @@ class Runtime:
                             f"{func} got a tensor on {p.device}, but this Budget's arena is on {self.device}; "
                             f"move the model and its inputs to {self.device} before entering the Budget")
                     plain[i] = recorded[i] = p
-                    if x.requires_grad and x.is_leaf:
-                        self._externals.setdefault(id(x), weakref.ref(x))
+                    if x.requires_grad and x.is_leaf and id(x) not in self._externals:
+                        self._externals[id(x)] = weakref.ref(x)
+                        self._hooks.append(x.register_post_accumulate_grad_hook(_grad_leaves_arena))
             pargs, pkwargs = tree_unflatten(plain, spec)
             rargs, rkwargs = tree_unflatten(recorded, spec)
             written = _written_args(func, pargs, pkwargs)
@@ -218,26 +241,44 @@ class Runtime:
         finally:
             for s in pins:
                 self.memory.unpin(s)
+            self._release_restored()
             self._drain_dead()
+
+    def _release_restored(self) -> None:
+        """See Rule 3: intermediates restored only to rebuild what an op needed go once the op is done (not
+        after each nested restore, which would rebuild a shared chain again for every input)."""
+        restored, self._restored = self._restored, []
+        for r in restored:
+            if r.payload.wrappers == 0 and r.pins == 0 and r.state is State.RESIDENT and r.evictable:
+                self.memory.evict(r)
 
     # ---------------------------------------------------------------------------------------- functional
     def _run_functional(self, func, pargs, pkwargs, rargs, rkwargs, inputs):
         rng = self._capture_rng(func, pkwargs)
-        versions = [(k, t, t._version) for k, t in self._direct_tensor_args(func, pargs, pkwargs)
-                    if not self.arena.owns(t)]
+        externals = [(k, t) for k, t in self._direct_tensor_args(func, pargs, pkwargs) if not self.arena.owns(t)]
+        key, probe, written = None, None, ()
+        if externals and self.device.type != "meta":
+            key = (func, repr([a for a in tree_flatten((pargs, pkwargs))[0] if not isinstance(a, torch.Tensor)]))
+            written = _UNMARKED_WRITES.get(key)
+            if written is None:  # first call of this op and configuration: look for writes the schema hides
+                probe = [(k, t, t._version, t.clone()) for k, t in externals]
         out = func(*pargs, **pkwargs)
+        if probe is not None:
+            written = _UNMARKED_WRITES[key] = frozenset(
+                k for k, t, v, before in probe if t._version != v or not torch.equal(t, before))
         cost = op_cost(func, pargs, pkwargs, out)
         self._account(cost)
         evictable = func.namespace not in _EFFECTFUL_NAMESPACES
-        for k, t, v in versions:  # See Rule 5: writes into external tensors the schema does not mark
-            if t._version != v:
+        for k, t in externals:  # See Rule 5: writes into external tensors the schema does not mark
+            if k in written:
                 self._freeze_readers_of_external(t)
                 arg = func._schema.arguments[k] if isinstance(k, int) else None
                 if arg is not None and isinstance(arg.type, torch.OptionalType):
                     rargs = tuple(None if j == k else a for j, a in enumerate(rargs))
                 else:
                     evictable = False
-        recipe = Recipe(func, rargs, rkwargs, rng, cost, uninitialized=func.overloadpacket in _UNINITIALIZED)
+        recipe = Recipe(func, rargs, rkwargs, rng, cost, uninitialized=func.overloadpacket in _UNINITIALIZED,
+                        grad_mode=torch.is_grad_enabled())
         flat, spec = tree_flatten(out)
         placed = []
         try:
@@ -310,7 +351,7 @@ class Runtime:
         out = func(*pargs, **pkwargs)
         cost = op_cost(func, pargs, pkwargs, out)
         self._account(cost)
-        recipe = Recipe(func, rargs, rkwargs, rng, cost)
+        recipe = Recipe(func, rargs, rkwargs, rng, cost, grad_mode=torch.is_grad_enabled())
         for s in targets:
             if len(targets) == 1 and s.payload.recipe is not None:
                 s.payload.mutations.append(recipe)
@@ -378,7 +419,7 @@ class Runtime:
             self.memory.unpin(new)
         cost = op_cost(func, pargs, pkwargs, out)
         self._account(cost)
-        new.payload.mutations.append(Recipe(func, rargs, rkwargs, rng, cost))
+        new.payload.mutations.append(Recipe(func, rargs, rkwargs, rng, cost, grad_mode=torch.is_grad_enabled()))
         for b in inputs:
             if b is not old:
                 add_consumer(b, new)
@@ -425,23 +466,21 @@ class Runtime:
             self.memory.restore(s, pinned=True, op=str(d.recipe.func))
             pins.append(s)
             if not d.recipe.uninitialized:
-                with _rng(d.recipe.rng):
+                with _replaying(d.recipe):
                     out = d.recipe.func(*pargs, **pkwargs)
                 o = tree_flatten(out)[0][d.index]
                 self._copy_into(s, o)
             self.counters.recompute_cost += d.recipe.cost
             for k, m in enumerate(d.mutations):
                 margs, mkwargs = self._materialize(m, pins, restored, s, k)
-                with _rng(m.rng):
+                with _replaying(m):
                     m.func(*margs, **mkwargs)
                 self.counters.recompute_cost += m.cost
             self.counters.rematerializations += 1
         finally:
             for p in pins:
                 self.memory.unpin(p)
-        for r in restored:  # See Rule 3: intermediates nobody holds go right away
-            if r.payload.wrappers == 0 and r.pins == 0 and r.state is State.RESIDENT and r.evictable:
-                self.memory.evict(r)
+        self._restored.extend(restored)
 
     def _materialize(self, recipe: Recipe, pins, restored, self_storage, version):
         flat, spec = tree_flatten((recipe.args, recipe.kwargs))
@@ -568,9 +607,15 @@ class Runtime:
 
     # ========================================================================================== exit
     def finish(self) -> None:
-        """End of the block: every storage a live wrapper uses gets a plain copy outside the arena (resident
-        ones first, so their bytes free room for restoring the others); then the arena is emptied."""
+        """End of the block: every storage a live wrapper uses gets a plain copy outside the arena; then the
+        arena is emptied."""
+        with _plain_dispatch():
+            self._finish()
+
+    def _finish(self) -> None:
         self._drain_dead()
+        # resident ones first, while nothing else needs room; then the evicted ones in program order, so what
+        # an earlier one restores can serve the later ones (the policy evicts copied ones when room is needed)
         live = sorted(self.live.values(), key=lambda s: (s.state is not State.RESIDENT, s.sid))
         for s in live:
             d = s.payload
@@ -580,12 +625,12 @@ class Runtime:
                 d.detached = self.arena.bytes(s.offset, s.nbytes).clone()
             except (OutOfBudget, TensorLost) as e:
                 d.lost = f"storage {s.sid} was evicted when its Budget ended and could not be restored: {e}"
-            if s.state is State.RESIDENT and s.pins == 0 and s.evictable:
-                self.memory.evict(s)  # room for restoring the next; it stays recomputable for them
         for s in live:
             s.payload.runtime = None
             s.payload.recipe = None
             s.payload.mutations = []
+        for h in self._hooks:
+            h.remove()
         for ref in self._externals.values():
             t = ref()
             if t is not None and isinstance(t.grad, Tensor):
@@ -595,6 +640,15 @@ class Runtime:
         self.live.clear()
         self._externals.clear()
         self._ext_readers.clear()
+
+
+def _grad_leaves_arena(leaf: torch.Tensor) -> None:
+    """A leaf's gradient is final once autograd has accumulated it: it moves out of the arena at once, like the
+    parameter it belongs to (model-sized state, not counted), and is never evicted or recomputed."""
+    g = leaf.grad
+    if isinstance(g, Tensor) and g._cell.storage.payload.runtime is not None:
+        with _plain_dispatch():
+            leaf.grad = g.as_plain().clone()
 
 
 def _wrapper_died(cell: Cell) -> None:
