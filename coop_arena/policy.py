@@ -49,53 +49,54 @@ def plan_coop(offsets, sizes, kind, c, last, clock: float, need: int) -> Evictio
 
 # Note [Coop window search]
 # Rationale: the search runs once per allocation that needs eviction, over every block of the arena, so its
-#   constant factor is the latency the user sees. Each numpy pass costs ~1 us of overhead at 1,000 blocks.
-# Approach: with prefix sums p0 (bytes) and h0 (c/s), the best window ending at block r starts at
-#   left[r] = max{l : p0[l] <= p0[r+1] - need}, and costs h0[r+1] - h0[left[r]].
-#   - Right ends with p0[r+1] < need cannot cover: they are cut off with one scalar search (`first`).
-#   - p0 and the targets p0[r+1] - need are both sorted, so left[] is a merge, not n binary searches: a stable
-#     sort of the two concatenated runs (timsort merges two runs in linear time) puts each target right after
-#     the p0 values <= it, and its position minus the targets before it is its count.
-#   - A window is valid when no BLOCKED block lies in [left[r], r]: left[r] > the last BLOCKED index <= r.
-#     BLOCKED blocks are few, so that index is built with one np.repeat over the gaps between them.
-# Decisions are those of the plain formulation (same prefix sums, same subtraction, first minimum on ties):
-# tests/test_memory_properties.py compares the two bit for bit.
+#   constant factor is the latency the user sees; at 1,000 blocks each numpy call costs about a microsecond
+#   whatever it does, so the number of calls matters as much as the work.
+# Approach: blocks tile the arena, so the prefix sums of the sizes are the offsets themselves. The best window
+#   ending at block r starts at left[r] = max{l : offsets[l] <= ends[r] - need} and costs h0[r+1] - h0[left[r]]
+#   with h0 the prefix sums of c/s.
+#   - Right ends with ends[r] < need cannot cover: one scalar search cuts them off (r0).
+#   - offsets and the targets ends[r] - need are both sorted, so left[] is a merge, not n binary searches: a
+#     stable sort of the two concatenated runs (timsort merges two runs in linear time) puts each target right
+#     after the offsets <= it; its position minus the targets before it, minus one, is left[r].
+#   - A window is valid when no BLOCKED block lies in [left[r], r], i.e. left[r] > the last BLOCKED index <= r
+#     (a running maximum over the few BLOCKED indices).
+# Decisions are those of the plain formulation (same c/s values, same prefix sums and subtraction, first minimum
+# on ties); tests/test_memory_properties.py compares the two bit for bit.
 def coop_window(offsets, sizes, kind, h, need: int) -> EvictionPlan | None:
     """The coop plan from c/s per block `h`, which must be 0 at FREE blocks (it is zeroed at BLOCKED ones here,
     in place)."""
     n = len(sizes)
-    p0 = np.empty(n + 1, np.int64)
-    p0[0] = 0
-    np.cumsum(sizes, out=p0[1:])
-    first = int(np.searchsorted(p0, need))           # the first right end r that can cover is first - 1
-    if first > n:
+    ends = offsets + sizes
+    r0 = int(np.searchsorted(ends, need))               # the first right end that can cover
+    if r0 == n:
         return None
-    target = p0[first:] - need                       # >= 0, so left >= 0
-    m = n + 1 - first
-    merged = np.argsort(np.concatenate((p0, target)), kind="stable")
-    left = np.flatnonzero(merged > n)                # positions of the targets in the merged order
-    left -= np.arange(1, m + 1)                      # ... minus the targets before them, minus one
-    blocked = np.flatnonzero(kind == BLOCKED)
+    target = ends[r0:] - need                           # >= 0, so left >= 0
+    merged = np.argsort(np.concatenate((offsets, target)), kind="stable")
+    left = np.flatnonzero(merged >= n)                  # positions of the targets in the merged order
+    left -= np.arange(1, n - r0 + 1)                    # ... minus the targets before them, minus one
     h0 = np.empty(n + 1)
     h0[0] = 0.0
+    blocked = np.flatnonzero(kind == BLOCKED)
     if blocked.size:
         h[blocked] = 0.0
         np.cumsum(h, out=h0[1:])
-        gaps = np.diff(blocked, prepend=0, append=n)
-        last_blocked = np.repeat(np.concatenate(([-1], blocked)), gaps)   # per block: last BLOCKED index <= it
-        valid = np.flatnonzero(left > last_blocked[first - 1 :])
+        last_blocked = np.full(n, -1, np.int64)
+        last_blocked[blocked] = blocked
+        np.maximum.accumulate(last_blocked, out=last_blocked)
+        valid = np.flatnonzero(left > last_blocked[r0:])
         if valid.size == 0:
             return None
-        cost = h0[valid + first] - h0[left[valid]]
+        cost = h0[valid + (r0 + 1)] - h0[left[valid]]
         j = int(np.argmin(cost))
-        r, lo = int(valid[j]) + first - 1, int(left[valid[j]])
+        r, lo = int(valid[j]) + r0, int(left[valid[j]])
     else:
         np.cumsum(h, out=h0[1:])
-        cost = h0[first:] - h0[left]
+        cost = h0[r0 + 1 :] - h0[left]
         j = int(np.argmin(cost))
-        r, lo = j + first - 1, int(left[j])
-    victims = tuple(int(i) for i in np.flatnonzero(kind[lo : r + 1] == EVICTABLE) + lo)
-    return EvictionPlan(victims, int(offsets[lo]), int(offsets[r] + sizes[r]), float(cost[j]), "coop")
+        r, lo = j + r0, int(left[j])
+    victims = np.flatnonzero(kind[lo : r + 1] == EVICTABLE)
+    victims += lo
+    return EvictionPlan(tuple(victims.tolist()), int(offsets[lo]), int(ends[r]), float(cost[j]), "coop")
 
 
 def _run(freeish: np.ndarray, i: int) -> tuple[int, int]:

@@ -208,18 +208,21 @@ class Runtime:
         flat, spec = tree_flatten((args, kwargs))
         plain, recorded, pins, inputs = list(flat), list(flat), [], []
         try:
+            mine = {x._cell.storage.sid: x._cell.storage for x in flat
+                    if isinstance(x, Tensor) and x._cell.storage.payload.runtime is self}
+            for sid in sorted(mine):  # program order, as in restore()
+                s = mine[sid]
+                self._make_resident(s)
+                self.memory.pin(s)
+                pins.append(s)
+                self.memory.touch(s)
+                inputs.append(s)
             for i, x in enumerate(flat):
                 if isinstance(x, Tensor) and x._cell.storage.payload.runtime is self:
                     s = x._cell.storage
-                    self._make_resident(s)
-                    self.memory.pin(s)
-                    pins.append(s)
-                    self.memory.touch(s)
                     plain[i] = self.arena.view(s.offset, x.dtype, x.size(), x.stride(), x.storage_offset())
                     recorded[i] = ArgRef(s, s.payload.version, x.dtype, tuple(x.size()), tuple(x.stride()),
                                          x.storage_offset())
-                    if not any(s is t for t in inputs):
-                        inputs.append(s)
                 elif isinstance(x, torch.Tensor):  # See Rule 1: read, never moved
                     p = x.as_plain() if isinstance(x, Tensor) else x
                     if p.device != self.device and p.dim() > 0:
@@ -454,25 +457,42 @@ class Runtime:
         _internal_assert(s.state is State.RESIDENT, f"storage {s.sid} is {s.state.value} after restoring it")
 
     def restore(self, s: Storage) -> None:
-        """Rebuild an evicted storage in the arena from its recipe. See Rule 3."""
+        """Rebuild an evicted storage in the arena from its recipe. See Rule 3.
+
+        Every input of the producer and of the writes since is made resident and pinned first, in program
+        order (earliest storage first): an early input is often an ancestor of a later one, so the later one's
+        restore finds it resident, and `s` itself is not held while its ancestors are rebuilt, which keeps
+        the pinned set of a deep chain small (a residual chain would otherwise pin one block per level).
+        """
         d = s.payload
         if d.lost is not None:
             raise TensorLost(d.lost)
         _internal_assert(d.recipe is not None, f"storage {s.sid} was evicted but has no recipe")
+        recipes = ([] if d.recipe.uninitialized else [d.recipe]) + d.mutations
+        needed: dict[int, Storage] = {}
+        for r in recipes:
+            for a in tree_flatten((r.args, r.kwargs))[0]:
+                if isinstance(a, ArgRef) and a.storage is not s:
+                    needed[a.storage.sid] = a.storage
         pins: list[Storage] = []
-        restored: list[Storage] = []
         try:
-            pargs, pkwargs = self._materialize(d.recipe, pins, restored, None, 0)
+            for sid in sorted(needed):
+                b = needed[sid]
+                if b.state is State.EVICTED:
+                    self.restore(b)
+                    self._restored.append(b)
+                self.memory.pin(b)
+                pins.append(b)
             self.memory.restore(s, pinned=True, op=str(d.recipe.func))
             pins.append(s)
             if not d.recipe.uninitialized:
+                pargs, pkwargs = self._views(d.recipe, None, 0)
                 with _replaying(d.recipe):
                     out = d.recipe.func(*pargs, **pkwargs)
-                o = tree_flatten(out)[0][d.index]
-                self._copy_into(s, o)
+                self._copy_into(s, tree_flatten(out)[0][d.index])
             self.counters.recompute_cost += d.recipe.cost
             for k, m in enumerate(d.mutations):
-                margs, mkwargs = self._materialize(m, pins, restored, s, k)
+                margs, mkwargs = self._views(m, s, k)
                 with _replaying(m):
                     m.func(*margs, **mkwargs)
                 self.counters.recompute_cost += m.cost
@@ -480,9 +500,9 @@ class Runtime:
         finally:
             for p in pins:
                 self.memory.unpin(p)
-        self._restored.extend(restored)
 
-    def _materialize(self, recipe: Recipe, pins, restored, self_storage, version):
+    def _views(self, recipe: Recipe, self_storage, version):
+        """The recipe's arguments with arena views in place of ArgRefs (all resident by now)."""
         flat, spec = tree_flatten((recipe.args, recipe.kwargs))
         for i, a in enumerate(flat):
             if isinstance(a, ArgRef):
@@ -492,11 +512,7 @@ class Runtime:
                 else:
                     _internal_assert(a.version == s.payload.version,
                                      f"recipe reads storage {s.sid} at version {a.version}, it is at {s.payload.version}")
-                    if s.state is State.EVICTED:
-                        self.restore(s)
-                        restored.append(s)
-                    self.memory.pin(s)
-                    pins.append(s)
+                _internal_assert(s.state is State.RESIDENT, f"storage {s.sid} is {s.state.value} during a replay")
                 flat[i] = self.arena.view(s.offset, a.dtype, a.size, a.stride, a.offset)
         return tree_unflatten(flat, spec)
 

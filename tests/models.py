@@ -37,12 +37,12 @@ class Block(nn.Module):
 class CNN(nn.Module):
     """BatchNorm (running statistics written once, Rule 5), residual in-place adds, max-pooling."""
 
-    def __init__(self, c=8, blocks=3):
+    def __init__(self, c=8, blocks=6):
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(inplace=True))
         self.blocks = nn.Sequential(*[Block(c) for _ in range(blocks)])
         self.pool = nn.MaxPool2d(2)
-        self.more = nn.Sequential(*[Block(c) for _ in range(2)])
+        self.more = nn.Sequential(*[Block(c) for _ in range(3)])
         self.head = nn.Linear(c, 10)
 
     def forward(self, x):

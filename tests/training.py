@@ -14,8 +14,9 @@ def build(name: str, device="cpu"):
     return MODELS[name]().to(device)
 
 
-def train(name: str, budget=None, steps: int = 3, device="cpu", check=None):
-    """Train `steps` SGD-with-momentum steps; returns the model. `check(budget)` runs after each step."""
+def train(name: str, budget=None, steps: int = 3, device="cpu", check=None, inside=None):
+    """Train `steps` SGD-with-momentum steps; returns the model. `inside(budget)` runs at the end of each
+    block, `check(budget)` after it."""
     model = build(name, device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     for i in range(steps):
@@ -25,6 +26,8 @@ def train(name: str, budget=None, steps: int = 3, device="cpu", check=None):
         with budget if budget is not None else contextlib.nullcontext():
             loss = loss_fn(name, model(x), y)
             loss.backward()
+            if inside is not None:
+                inside(budget)
         if check is not None:
             check(budget)
         opt.step()

@@ -1,0 +1,141 @@
+"""Training under a Budget gives bitwise the same parameters as plain PyTorch, at every budget and policy."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import coop_arena
+from training import bitwise_equal, state, train
+
+MODELS = ["mlp", "cnn", "gpt", "lstm"]
+POLICIES = ["coop", "dtr", "dte"]
+
+
+@functools.cache
+def reference(name):
+    return state(train(name))
+
+
+@functools.cache
+def plain_peak(name) -> int:
+    """Peak of one step with no eviction, measured by the same engine."""
+    b = coop_arena.Budget(1 << 28, device="cpu")
+    train(name, b, steps=1)
+    assert b.stats.evictions == 0
+    return b.stats.peak_bytes
+
+
+@functools.cache
+def smallest_budget(name, policy) -> int:
+    """Smallest budget (to 2% of the peak) under which one step runs, by bisection."""
+    peak = plain_peak(name)
+    lo, hi = int(0.05 * peak), peak  # lo fails (checked below), hi works
+    with pytest.raises(coop_arena.OutOfBudget):
+        train(name, coop_arena.Budget(lo, device="cpu", policy=policy), steps=1)
+    while hi - lo > 0.02 * peak:
+        mid = (lo + hi) // 2
+        try:
+            train(name, coop_arena.Budget(mid, device="cpu", policy=policy), steps=1)
+            hi = mid
+        except coop_arena.OutOfBudget:
+            lo = mid
+    return hi
+
+
+def run_and_check(name, budget):
+    def inside(b):
+        b.check_invariants()
+
+    def after(b):
+        assert b.memory.used_bytes == 0, "arena occupancy must return to zero after each step"
+        assert b.stats.peak_bytes <= b.stats.budget
+        runs.append(b.stats)
+
+    runs = []
+    model = train(name, budget, inside=inside, check=after)
+    assert bitwise_equal(reference(name), state(model)), f"{name} under {budget} differs from plain PyTorch"
+    return runs
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("name", MODELS)
+def test_ample_budget_is_exact(name, policy):
+    runs = run_and_check(name, coop_arena.Budget(plain_peak(name), device="cpu", policy=policy))
+    assert all(r.peak_bytes <= plain_peak(name) for r in runs)
+
+
+@pytest.mark.parametrize("fraction", [0.6, 0.4])
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("name", MODELS)
+def test_tight_budget_is_exact(name, policy, fraction):
+    runs = run_and_check(name, coop_arena.Budget(int(fraction * plain_peak(name)), device="cpu", policy=policy))
+    if fraction <= 0.4:
+        assert all(r.evictions > 0 and r.rematerializations > 0 for r in runs), runs
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("name", MODELS)
+def test_smallest_budget_is_exact(name, policy):
+    nbytes = smallest_budget(name, policy)
+    runs = run_and_check(name, coop_arena.Budget(nbytes, device="cpu", policy=policy))
+    assert all(r.evictions > 0 and r.rematerializations > 0 for r in runs)
+    assert nbytes < 0.6 * plain_peak(name)
+
+
+@pytest.mark.parametrize("ablation", [dict(partition=False), dict(recomputable_inplace=False)])
+@pytest.mark.parametrize("name", MODELS)
+def test_ablations_are_exact(name, ablation):
+    runs = run_and_check(name, coop_arena.Budget(int(0.4 * plain_peak(name)), device="cpu", **ablation))
+    assert all(r.evictions > 0 for r in runs)
+
+
+class EvictAll:
+    """Stress: after every op, evict every storage that may be evicted, so nearly every read is a recompute."""
+
+    def __init__(self, budget):
+        self.budget = budget
+        self.orig = coop_arena.runtime.Runtime.run
+
+    def __enter__(self):
+        orig = self.orig
+
+        def run(rt, func, args, kwargs):
+            out = orig(rt, func, args, kwargs)
+            for s in rt.memory.resident():
+                if s.evictable and s.pins == 0:
+                    rt.memory.evict(s)
+            return out
+
+        coop_arena.runtime.Runtime.run = run
+        return self.budget.__enter__()
+
+    def __exit__(self, *exc):
+        coop_arena.runtime.Runtime.run = self.orig
+        return self.budget.__exit__(*exc)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_evict_everything_after_every_op_is_exact(name):
+    budget = coop_arena.Budget(1 << 26, device="cpu")
+    model = train(name, EvictAll(budget), steps=2, inside=lambda b: budget.check_invariants())
+    assert bitwise_equal(state(train(name, steps=2)), state(model))
+    assert budget.stats.rematerializations > 50
+
+
+def test_dry_run_matches_cpu_run():
+    """The same engine on meta makes the same decisions: same trace, same stats (timings aside)."""
+    for name in ["mlp", "gpt", "cnn"]:
+        nbytes = int(0.4 * plain_peak(name))
+        runs = {}
+        for device in ["cpu", "meta"]:
+            b = coop_arena.Budget(nbytes, device=device)
+            train(name, b, steps=1, device=device)
+            stats = b.stats.as_dict()
+            stats.pop("search_seconds"), stats.pop("search_seconds_per_event")
+            runs[device] = (stats, [tuple(e) for e in b.trace])
+        assert runs["cpu"][0] == runs["meta"][0], name
+        assert runs["cpu"][1] == runs["meta"][1], name
+        assert runs["cpu"][0]["evictions"] > 0
