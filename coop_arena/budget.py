@@ -159,9 +159,10 @@ def pinned(t: Tensor, *, readonly: bool = False):
         return
     with _plain_dispatch():
         rt._make_resident(s)
-    rt.memory.pin(s)
+        rt.memory.pin(s)
+        raw = rt.arena.view(s.offset, t.dtype, t.size(), t.stride(), t.storage_offset())
     try:
-        yield rt.arena.view(s.offset, t.dtype, t.size(), t.stride(), t.storage_offset())
+        yield raw
     finally:
         rt.memory.unpin(s)
         if not readonly and s.payload.runtime is rt:

@@ -11,8 +11,6 @@ byte and a pointwise op cheap, which is what cheap tensor partitioning needs. Co
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import flop_registry
 
 FLOPS_PER_BYTE = 16.0
 
@@ -21,16 +19,16 @@ def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def op_cost(func, args, kwargs, outs) -> float:
+def op_cost(formula, args, kwargs, in_leaves, out_leaves, outs) -> float:
+    """`formula` is the op's flop_counter formula or None; the leaves are its arguments and outputs."""
     moved = 0
-    for x in tree_leaves((args, kwargs)):
+    for x in in_leaves:
         if isinstance(x, torch.Tensor):
-            moved += tensor_bytes(x)
-    for x in tree_leaves(outs):
+            moved += x.numel() * x.element_size()
+    for x in out_leaves:
         if isinstance(x, torch.Tensor):
-            moved += tensor_bytes(x)
+            moved += x.numel() * x.element_size()
     flops = 0
-    formula = flop_registry.get(func.overloadpacket)
     if formula is not None:
         try:
             flops = formula(*args, **kwargs, out_val=outs)

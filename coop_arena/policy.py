@@ -64,39 +64,39 @@ def plan_coop(offsets, sizes, kind, c, last, clock: float, need: int) -> Evictio
 # on ties); tests/test_memory_properties.py compares the two bit for bit.
 def coop_window(offsets, sizes, kind, h, need: int) -> EvictionPlan | None:
     """The coop plan from c/s per block `h`, which must be 0 at FREE blocks (it is zeroed at BLOCKED ones here,
-    in place)."""
+    in place). ndarray methods rather than np.* wrappers: at 1,000 blocks the dispatch is a visible cost."""
     n = len(sizes)
     ends = offsets + sizes
-    r0 = int(np.searchsorted(ends, need))               # the first right end that can cover
+    r0 = int(ends.searchsorted(need))                   # the first right end that can cover
     if r0 == n:
         return None
     target = ends[r0:] - need                           # >= 0, so left >= 0
-    merged = np.argsort(np.concatenate((offsets, target)), kind="stable")
-    left = np.flatnonzero(merged >= n)                  # positions of the targets in the merged order
+    merged = np.concatenate((offsets, target)).argsort(kind="stable")
+    left = (merged >= n).nonzero()[0]                   # positions of the targets in the merged order
     left -= np.arange(1, n - r0 + 1)                    # ... minus the targets before them, minus one
     h0 = np.empty(n + 1)
     h0[0] = 0.0
-    blocked = np.flatnonzero(kind == BLOCKED)
+    blocked = (kind == BLOCKED).nonzero()[0]
     if blocked.size:
         h[blocked] = 0.0
-        np.cumsum(h, out=h0[1:])
-        last_blocked = np.full(n, -1, np.int64)
+        h.cumsum(out=h0[1:])
+        last_blocked = np.empty(n, np.int64)
+        last_blocked.fill(-1)
         last_blocked[blocked] = blocked
         np.maximum.accumulate(last_blocked, out=last_blocked)
-        valid = np.flatnonzero(left > last_blocked[r0:])
+        valid = (left > last_blocked[r0:]).nonzero()[0]
         if valid.size == 0:
             return None
         cost = h0[valid + (r0 + 1)] - h0[left[valid]]
-        j = int(np.argmin(cost))
+        j = int(cost.argmin())
         r, lo = int(valid[j]) + r0, int(left[valid[j]])
     else:
-        np.cumsum(h, out=h0[1:])
+        h.cumsum(out=h0[1:])
         cost = h0[r0 + 1 :] - h0[left]
-        j = int(np.argmin(cost))
+        j = int(cost.argmin())
         r, lo = j + r0, int(left[j])
-    victims = np.flatnonzero(kind[lo : r + 1] == EVICTABLE)
-    victims += lo
-    return EvictionPlan(tuple(victims.tolist()), int(offsets[lo]), int(ends[r]), float(cost[j]), "coop")
+    victims = tuple(i for i, k in enumerate(kind[lo : r + 1].tolist(), lo) if k == EVICTABLE)
+    return EvictionPlan(victims, int(offsets[lo]), int(ends[r]), float(cost[j]), "coop")
 
 
 def _run(freeish: np.ndarray, i: int) -> tuple[int, int]:

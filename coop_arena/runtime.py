@@ -33,10 +33,10 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
-from torch._prims_common import is_non_overlapping_and_dense_or_false as _dense
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import ops
 from .arena import Arena
 from .cost import op_cost
 from .errors import BudgetUsageError, OutOfBudget, TensorLost, UnsupportedOp, _internal_assert
@@ -46,10 +46,6 @@ from .tensor import Cell, Tensor
 
 aten = torch.ops.aten
 
-# Ops whose output bytes are uninitialized: a replay only needs the range, not the op (nor its inputs).
-_UNINITIALIZED = {aten.empty_like, aten.empty, aten.new_empty, aten.new_empty_strided, aten.empty_strided}
-# Namespaces of ops with effects outside their outputs (collectives): outputs unevictable (Rule 5).
-_EFFECTFUL_NAMESPACES = {"_c10d_functional", "c10d", "c10d_functional", "_dtensor"}
 # (op, its non-tensor arguments) -> positions of external tensor arguments it writes although its schema does
 # not say so (native_batch_norm's running statistics). Found by comparing the arguments around the first call.
 _UNMARKED_WRITES: dict = {}
@@ -83,7 +79,7 @@ class Data:
     """The runtime's part of a storage record (`Storage.payload`). Written by Runtime only."""
 
     runtime: "Runtime | None"
-    cell: Cell
+    cell_ref: weakref.ref       # the Cell its wrappers share (weak: Storage -> Data -> Cell -> Storage is no cycle)
     recipe: Recipe | None       # the producer; None: not recomputable (the storage is unevictable)
     index: int                  # which output of the producer
     mutations: list = field(default_factory=list)  # in-place writes since, in order (Rule 6)
@@ -95,18 +91,25 @@ class Data:
     def version(self) -> int:
         return len(self.mutations)
 
+    def cell(self, storage: Storage) -> Cell:
+        c = self.cell_ref()
+        if c is None:
+            c = Cell(storage)
+            self.cell_ref = weakref.ref(c)
+        return c
+
     def plain_view(self, t: Tensor) -> torch.Tensor:
-        if self.detached is not None:
-            return self.detached.view(t.dtype).as_strided(t.size(), t.stride(), t.storage_offset())
-        if self.lost is not None:
-            raise TensorLost(self.lost)
-        rt = self.runtime
-        _internal_assert(rt is not None, "a storage with neither an arena nor a copy")
-        s = self.cell.storage
-        if s.state is not State.RESIDENT:
-            with _plain_dispatch():
+        with _plain_dispatch():
+            if self.detached is not None:
+                return self.detached.view(t.dtype).as_strided(t.size(), t.stride(), t.storage_offset())
+            if self.lost is not None:
+                raise TensorLost(self.lost)
+            rt = self.runtime
+            _internal_assert(rt is not None, "a storage with neither an arena nor a copy")
+            s = t._cell.storage
+            if s.state is not State.RESIDENT:
                 rt.restore(s)
-        return rt.arena.view(s.offset, t.dtype, t.size(), t.stride(), t.storage_offset())
+            return rt.arena.view(s.offset, t.dtype, t.size(), t.stride(), t.storage_offset())
 
 
 @dataclass(slots=True)
@@ -173,16 +176,14 @@ def _rng(saved):
         gen.set_state(now)
 
 
-def _written_args(func, args, kwargs):
-    """(position or name, value) of every argument the schema marks as written."""
-    out = []
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is not None and a.alias_info.is_write:
-            if i < len(args) and not a.kwarg_only:
-                out.append((i, args[i]))
-            elif a.name in kwargs:
-                out.append((a.name, kwargs[a.name]))
-    return out
+class _Call:
+    """One op call in progress: its arguments as given, as plain tensors, and as recorded for a recipe."""
+
+    __slots__ = ("func", "op", "args", "kwargs", "leaves", "spec", "inputs", "plain", "recorded", "pargs", "pkwargs")
+
+    def __init__(self, func, op, args, kwargs, leaves, spec):
+        self.func, self.op, self.args, self.kwargs, self.leaves, self.spec = func, op, args, kwargs, leaves, spec
+        self.inputs: list[Storage] = []
 
 
 class Runtime:
@@ -202,27 +203,36 @@ class Runtime:
     # ============================================================================================ dispatch
     def run(self, func, args, kwargs):
         self._drain_dead()
-        if torch.Tag.inplace_view in func.tags:
+        op = ops.info(func)
+        if op.inplace_view:
             raise UnsupportedOp(func, "it changes a tensor's shape or storage in place; use the out-of-place "
                                       "form (e.g. x = x.unsqueeze(0) instead of x.unsqueeze_(0))")
-        flat, spec = tree_flatten((args, kwargs))
-        plain, recorded, pins, inputs = list(flat), list(flat), [], []
+        leaves, spec = ops.flatten(args, kwargs)
+        call = _Call(func, op, args, kwargs, leaves, spec)
+        pins = []
         try:
-            mine = {x._cell.storage.sid: x._cell.storage for x in flat
-                    if isinstance(x, Tensor) and x._cell.storage.payload.runtime is self}
-            for sid in sorted(mine):  # program order, as in restore()
-                s = mine[sid]
-                self._make_resident(s)
-                self.memory.pin(s)
-                pins.append(s)
+            owner = {}  # leaf index -> the storage it reads (a wrapper, or a raw view from as_plain/pinned)
+            for i, x in enumerate(leaves):
+                if isinstance(x, Tensor):
+                    if x._cell.storage.payload.runtime is self:
+                        owner[i] = x._cell.storage
+                elif isinstance(x, torch.Tensor) and self.arena.owns(x):
+                    owner[i] = self._storage_at(x, func)
+            mine = {s.sid: s for s in owner.values()}
+            call.inputs = [mine[sid] for sid in sorted(mine)]  # program order, as in restore()
+            pins = self._resident_and_pinned(call.inputs)
+            for s in call.inputs:
                 self.memory.touch(s)
-                inputs.append(s)
-            for i, x in enumerate(flat):
-                if isinstance(x, Tensor) and x._cell.storage.payload.runtime is self:
-                    s = x._cell.storage
-                    plain[i] = self.arena.view(s.offset, x.dtype, x.size(), x.stride(), x.storage_offset())
-                    recorded[i] = ArgRef(s, s.payload.version, x.dtype, tuple(x.size()), tuple(x.stride()),
-                                         x.storage_offset())
+            plain, recorded = list(leaves), list(leaves)
+            for i, x in enumerate(leaves):
+                if i in owner:
+                    s = owner[i]
+                    offset = x.storage_offset()
+                    if not isinstance(x, Tensor):  # a raw view: its offset counts from the arena's start
+                        offset -= s.offset // x.element_size()
+                    size, stride = tuple(x.size()), tuple(x.stride())
+                    plain[i] = self.arena.view(s.offset, x.dtype, size, stride, offset)
+                    recorded[i] = ArgRef(s, s.payload.version, x.dtype, size, stride, offset)
                 elif isinstance(x, torch.Tensor):  # See Rule 1: read, never moved
                     p = x.as_plain() if isinstance(x, Tensor) else x
                     if p.device != self.device and p.dim() > 0:
@@ -233,14 +243,13 @@ class Runtime:
                     if x.requires_grad and x.is_leaf and id(x) not in self._externals:
                         self._externals[id(x)] = weakref.ref(x)
                         self._hooks.append(x.register_post_accumulate_grad_hook(_grad_leaves_arena))
-            pargs, pkwargs = tree_unflatten(plain, spec)
-            rargs, rkwargs = tree_unflatten(recorded, spec)
-            written = _written_args(func, pargs, pkwargs)
-            if written:
-                return self._run_write(func, args, kwargs, pargs, pkwargs, rargs, rkwargs, written, inputs)
-            if any(r.alias_info is not None for r in func._schema.returns):
-                return self._run_view(func, pargs, pkwargs, inputs)
-            return self._run_functional(func, pargs, pkwargs, rargs, rkwargs, inputs)
+            call.plain, call.recorded = plain, recorded
+            call.pargs, call.pkwargs = ops.unflatten(plain, spec)
+            if op.written:
+                return self._run_write(call)
+            if op.returns_alias:
+                return self._run_view(call)
+            return self._run_functional(call)
         finally:
             for s in pins:
                 self.memory.unpin(s)
@@ -255,39 +264,48 @@ class Runtime:
             if r.payload.wrappers == 0 and r.pins == 0 and r.state is State.RESIDENT and r.evictable:
                 self.memory.evict(r)
 
+    def _execute(self, call: "_Call"):
+        """Run the op on plain tensors; returns (outputs, output leaves, recipe)."""
+        rng = self._capture_rng(call)
+        out = call.func(*call.pargs, **call.pkwargs)
+        out_leaves = list(out) if isinstance(out, (tuple, list)) else [out]
+        cost = op_cost(call.op.flops, call.pargs, call.pkwargs, call.plain, out_leaves, out)
+        self._account(cost)
+        rargs, rkwargs = ops.unflatten(call.recorded, call.spec)
+        recipe = Recipe(call.func, rargs, rkwargs, rng, cost, uninitialized=call.op.uninitialized,
+                        grad_mode=torch.is_grad_enabled())
+        return out, out_leaves, recipe
+
     # ---------------------------------------------------------------------------------------- functional
-    def _run_functional(self, func, pargs, pkwargs, rargs, rkwargs, inputs):
-        rng = self._capture_rng(func, pkwargs)
-        externals = [(k, t) for k, t in self._direct_tensor_args(func, pargs, pkwargs) if not self.arena.owns(t)]
+    def _run_functional(self, call: "_Call"):
+        func, op = call.func, call.op
+        externals = [(pos, t) for pos, name, _ in op.tensor_args
+                     if isinstance(t := ops.arg(call.pargs, call.pkwargs, pos, name, False), torch.Tensor)
+                     and not self.arena.owns(t)]
         key, probe, written = None, None, ()
         if externals and self.device.type != "meta":
-            key = (func, repr([a for a in tree_flatten((pargs, pkwargs))[0] if not isinstance(a, torch.Tensor)]))
+            key = (func, repr([a for a in call.plain if not isinstance(a, torch.Tensor)]))
             written = _UNMARKED_WRITES.get(key)
             if written is None:  # first call of this op and configuration: look for writes the schema hides
-                probe = [(k, t, t._version, t.clone()) for k, t in externals]
-        out = func(*pargs, **pkwargs)
+                probe = [(pos, t, t._version, t.clone()) for pos, t in externals]
+        out, out_leaves, recipe = self._execute(call)
         if probe is not None:
             written = _UNMARKED_WRITES[key] = frozenset(
-                k for k, t, v, before in probe if t._version != v or not torch.equal(t, before))
-        cost = op_cost(func, pargs, pkwargs, out)
-        self._account(cost)
-        evictable = func.namespace not in _EFFECTFUL_NAMESPACES
-        for k, t in externals:  # See Rule 5: writes into external tensors the schema does not mark
-            if k in written:
+                pos for pos, t, v, before in probe if t._version != v or not torch.equal(t, before))
+        evictable = not op.effectful
+        for pos, t in externals:  # See Rule 5: writes into external tensors the schema does not mark
+            if pos in written:
                 self._freeze_readers_of_external(t)
-                arg = func._schema.arguments[k] if isinstance(k, int) else None
-                if arg is not None and isinstance(arg.type, torch.OptionalType):
-                    rargs = tuple(None if j == k else a for j, a in enumerate(rargs))
+                optional = any(p == pos and opt for p, _, opt in op.tensor_args)
+                if optional and pos < len(recipe.args):
+                    recipe.args = tuple(None if j == pos else a for j, a in enumerate(recipe.args))
                 else:
                     evictable = False
-        recipe = Recipe(func, rargs, rkwargs, rng, cost, uninitialized=func.overloadpacket in _UNINITIALIZED,
-                        grad_mode=torch.is_grad_enabled())
-        flat, spec = tree_flatten(out)
         placed = []
         try:
-            for j, o in enumerate(flat):
+            for j, o in enumerate(out_leaves):
                 if isinstance(o, torch.Tensor) and o.device == self.device and o.numel() > 0:
-                    flat[j] = self._place_output(o, recipe, j, inputs, evictable, str(func), placed)
+                    out_leaves[j] = self._place_output(o, recipe, j, call.inputs, evictable, func, placed)
         except BaseException:
             for s in placed:
                 self.memory.unpin(s)
@@ -295,33 +313,30 @@ class Runtime:
             raise
         for s in placed:
             self.memory.unpin(s)
-        self._note_external_reads(rargs, rkwargs, placed)
-        return tree_unflatten(flat, spec)
+        self._note_external_reads(call.recorded, placed)
+        return tuple(out_leaves) if isinstance(out, tuple) else (out_leaves if isinstance(out, list) else out_leaves[0])
 
-    def _place_output(self, o, recipe, index, inputs, evictable, op, placed):
-        stride = tuple(o.stride())
-        if not _dense(o):
-            stride = _contiguous_strides(o.size())
-        nbytes = _span_bytes(o.size(), stride, 0, o.element_size())
-        s = self.memory.allocate(nbytes, recipe.cost, evictable=evictable, inputs=inputs, pinned=True, op=op)
+    def _place_output(self, o, recipe, index, inputs, evictable, func, placed):
+        size, stride = tuple(o.size()), tuple(o.stride())
+        if not ops.dense(size, stride):
+            stride = _contiguous_strides(size)
+        nbytes = _span_bytes(size, stride, 0, o.element_size())
+        s = self.memory.allocate(nbytes, recipe.cost, evictable=evictable, inputs=inputs, pinned=True, op=str(func))
         placed.append(s)
-        cell = Cell(s)
-        s.payload = Data(self, cell, recipe if evictable else None, index)
+        s.payload = Data(self, _dead_ref, recipe if evictable else None, index)
         if not evictable:
             self._count_unevictable(s, +1)
-        dst = self.arena.view(s.offset, o.dtype, o.size(), stride, 0)
         if self.device.type != "meta":
-            dst.copy_(o)
-        return self._wrap(s, o.dtype, o.size(), stride, 0)
+            self.arena.view(s.offset, o.dtype, size, stride, 0).copy_(o)
+        return self._wrap(s, o.dtype, size, stride, 0)
 
     # ---------------------------------------------------------------------------------------------- views
-    def _run_view(self, func, pargs, pkwargs, inputs):
-        out = func(*pargs, **pkwargs)
-        flat, spec = tree_flatten(out)
-        for j, o in enumerate(flat):
-            if isinstance(o, torch.Tensor) and self.arena.owns(o):
-                flat[j] = self._wrap_alias(o, inputs, func)
-        return tree_unflatten(flat, spec)
+    def _run_view(self, call: "_Call"):
+        out = call.func(*call.pargs, **call.pkwargs)
+        if isinstance(out, torch.Tensor):
+            return self._wrap_alias(out, call.inputs, call.func) if self.arena.owns(out) else out
+        return type(out)(self._wrap_alias(o, call.inputs, call.func)
+                         if isinstance(o, torch.Tensor) and self.arena.owns(o) else o for o in out)
 
     def _wrap_alias(self, o, inputs, func):
         byte = o.storage_offset() * o.element_size()
@@ -333,48 +348,46 @@ class Runtime:
         raise UnsupportedOp(func, "it returned a view of arena memory that belongs to none of its inputs")
 
     # ---------------------------------------------------------------------------------------------- writes
-    def _run_write(self, func, args, kwargs, pargs, pkwargs, rargs, rkwargs, written, inputs):
+    def _written(self, call: "_Call", args, kwargs):
+        """(alias sets, value) of each argument the schema marks written, from `args`/`kwargs`."""
+        return [(sets, ops.arg(args, kwargs, pos, name, kw_only)) for pos, name, kw_only, sets in call.op.written]
+
+    def _run_write(self, call: "_Call"):
+        func = call.func
         targets = []  # arena storages written
-        for key, value in written:
-            values = value if isinstance(value, (list, tuple)) else [value]
-            for v in values:
+        for _, value in self._written(call, call.pargs, call.pkwargs):
+            for v in (value if isinstance(value, (list, tuple)) else [value]):
                 if v is None:
                     continue
                 if self.arena.owns(v):
-                    s = self._owner_of(v, inputs, func)
+                    s = self._owner_of(v, call.inputs, func)
                     if not any(s is t for t in targets):
                         targets.append(s)
                 else:  # See Rule 5: a write outside the arena is an effect; what read the old value is frozen
                     self._freeze_readers_of_external(v)
         if not self.recomputable_inplace and targets:
-            return self._run_write_cow(func, args, kwargs, rargs, rkwargs, targets, inputs)
+            return self._run_write_cow(call, targets)
         for s in targets:  # See Rule 6
             self._freeze_readers(s)
-        rng = self._capture_rng(func, pkwargs)
-        out = func(*pargs, **pkwargs)
-        cost = op_cost(func, pargs, pkwargs, out)
-        self._account(cost)
-        recipe = Recipe(func, rargs, rkwargs, rng, cost, grad_mode=torch.is_grad_enabled())
+        out, _, recipe = self._execute(call)
         for s in targets:
             if len(targets) == 1 and s.payload.recipe is not None:
                 s.payload.mutations.append(recipe)
-                for b in inputs:
+                for b in call.inputs:
                     if b is not s:
                         add_consumer(b, s)
             else:  # a write to several storages at once cannot be replayed into one: keep them
                 self._make_unevictable(s)
-        self._note_external_reads(rargs, rkwargs, targets)
-        return self._results_of_write(func, out, args, kwargs, inputs)
+        self._note_external_reads(call.recorded, targets)
+        return self._results_of_write(call, out, call.inputs)
 
-    def _results_of_write(self, func, out, args, kwargs, inputs):
+    def _results_of_write(self, call: "_Call", out, inputs):
         """An output aliasing a written argument is that argument's original object (autograd expects `self`)."""
         written = {}
-        for key, v in _written_args(func, args, kwargs):
-            a = func._schema.arguments[key] if isinstance(key, int) else next(
-                x for x in func._schema.arguments if x.name == key)
-            for name in a.alias_info.before_set:
+        for sets, v in self._written(call, call.args, call.kwargs):
+            for name in sets:
                 written[name] = v
-        returns = func._schema.returns
+        returns = call.func._schema.returns
         if not returns:
             return out
         outs = out if len(returns) > 1 else (out,)
@@ -384,50 +397,36 @@ class Runtime:
             if alias is not None and alias.is_write and any(n in written for n in alias.before_set):
                 res.append(written[next(n for n in alias.before_set if n in written)])
             elif isinstance(o, torch.Tensor) and self.arena.owns(o):
-                res.append(self._wrap_alias(o, inputs, func))
+                res.append(self._wrap_alias(o, inputs, call.func))
             elif isinstance(o, torch.Tensor) and o.device == self.device and o.numel() > 0:
-                raise UnsupportedOp(func, "it writes its arguments and also returns a fresh tensor")
+                raise UnsupportedOp(call.func, "it writes its arguments and also returns a fresh tensor")
             else:
                 res.append(o)
         return tuple(res) if len(returns) > 1 else res[0]
 
-    def _run_write_cow(self, func, args, kwargs, rargs, rkwargs, targets, inputs):
+    def _run_write_cow(self, call: "_Call", targets):
         """Copy-on-write (the ablation of Rule 6): the written storage is copied to a fresh one, the write goes
         there, and every wrapper of the old storage moves to the new one; the old value keeps its recipe."""
         if len(targets) > 1:
-            raise UnsupportedOp(func, "copy-on-write of a write to several storages")
+            raise UnsupportedOp(call.func, "copy-on-write of a write to several storages")
         old = targets[0]
-        new = self._clone_storage(old, inputs, func)
-        # rebuild the plain arguments against the new storage
-        flat, spec = tree_flatten((args, kwargs))
-        plain = []
-        for x in flat:
-            if isinstance(x, Tensor) and x._cell.storage.payload.runtime is self:
-                s = x._cell.storage
-                plain.append(self.arena.view(s.offset, x.dtype, x.size(), x.stride(), x.storage_offset()))
-            elif isinstance(x, Tensor):
-                plain.append(x.as_plain())
-            else:
-                plain.append(x)
-        pargs, pkwargs = tree_unflatten(plain, spec)
-        rflat, rspec = tree_flatten((rargs, rkwargs))
-        rflat = [ArgRef(new, 0, a.dtype, a.size, a.stride, a.offset) if isinstance(a, ArgRef) and a.storage is old
-                 else a for a in rflat]
-        rargs, rkwargs = tree_unflatten(rflat, rspec)
-        rng = self._capture_rng(func, pkwargs)
+        new = self._clone_storage(old, call.inputs, call.func)
+        for i, a in enumerate(call.recorded):  # the op now reads and writes the copy
+            if isinstance(a, ArgRef) and a.storage is old:
+                call.recorded[i] = ArgRef(new, 0, a.dtype, a.size, a.stride, a.offset)
+                call.plain[i] = self.arena.view(new.offset, a.dtype, a.size, a.stride, a.offset)
+        call.pargs, call.pkwargs = ops.unflatten(call.plain, call.spec)
         self.memory.pin(new)
         try:
-            out = func(*pargs, **pkwargs)
+            out, _, recipe = self._execute(call)
         finally:
             self.memory.unpin(new)
-        cost = op_cost(func, pargs, pkwargs, out)
-        self._account(cost)
-        new.payload.mutations.append(Recipe(func, rargs, rkwargs, rng, cost, grad_mode=torch.is_grad_enabled()))
-        for b in inputs:
+        new.payload.mutations.append(recipe)
+        for b in call.inputs:
             if b is not old:
                 add_consumer(b, new)
-        self._note_external_reads(rargs, rkwargs, [new])
-        return self._results_of_write(func, out, args, kwargs, [new])
+        self._note_external_reads(call.recorded, [new])
+        return self._results_of_write(call, out, [new])
 
     def _clone_storage(self, old: Storage, inputs, func) -> Storage:
         cost = float(old.nbytes) * 2
@@ -439,10 +438,10 @@ class Runtime:
         self._account(cost)
         ref = ArgRef(old, old.payload.version, torch.uint8, (old.nbytes,), (1,), 0)
         recipe = Recipe(aten.clone.default, (ref,), {}, None, cost)
-        cell = old.payload.cell
-        new.payload = Data(self, cell, recipe, 0, wrappers=old.payload.wrappers)
+        cell = old.payload.cell(old)
+        new.payload = Data(self, weakref.ref(cell), recipe, 0, wrappers=old.payload.wrappers)
         cell.storage = new
-        old.payload.cell = Cell(old)
+        old.payload.cell_ref = _dead_ref
         old.payload.wrappers = 0
         if old.sid in self.live:
             del self.live[old.sid]
@@ -461,8 +460,8 @@ class Runtime:
 
         Every input of the producer and of the writes since is made resident and pinned first, in program
         order (earliest storage first): an early input is often an ancestor of a later one, so the later one's
-        restore finds it resident, and `s` itself is not held while its ancestors are rebuilt, which keeps
-        the pinned set of a deep chain small (a residual chain would otherwise pin one block per level).
+        restore finds it resident, and `s` itself is not held while its ancestors are rebuilt (a residual
+        chain would otherwise pin one half-built block per level).
         """
         d = s.payload
         if d.lost is not None:
@@ -471,25 +470,18 @@ class Runtime:
         recipes = ([] if d.recipe.uninitialized else [d.recipe]) + d.mutations
         needed: dict[int, Storage] = {}
         for r in recipes:
-            for a in tree_flatten((r.args, r.kwargs))[0]:
+            for a in ops.flatten(r.args, r.kwargs)[0]:
                 if isinstance(a, ArgRef) and a.storage is not s:
                     needed[a.storage.sid] = a.storage
-        pins: list[Storage] = []
+        pins = self._resident_and_pinned([needed[sid] for sid in sorted(needed)])
         try:
-            for sid in sorted(needed):
-                b = needed[sid]
-                if b.state is State.EVICTED:
-                    self.restore(b)
-                    self._restored.append(b)
-                self.memory.pin(b)
-                pins.append(b)
             self.memory.restore(s, pinned=True, op=str(d.recipe.func))
             pins.append(s)
             if not d.recipe.uninitialized:
                 pargs, pkwargs = self._views(d.recipe, None, 0)
                 with _replaying(d.recipe):
                     out = d.recipe.func(*pargs, **pkwargs)
-                self._copy_into(s, tree_flatten(out)[0][d.index])
+                self._copy_into(s, out[d.index] if isinstance(out, (tuple, list)) else out)
             self.counters.recompute_cost += d.recipe.cost
             for k, m in enumerate(d.mutations):
                 margs, mkwargs = self._views(m, s, k)
@@ -501,9 +493,38 @@ class Runtime:
             for p in pins:
                 self.memory.unpin(p)
 
+    def _resident_and_pinned(self, storages: list) -> list:
+        """Make all `storages` resident at the same time and pin them (Rule 3).
+
+        They are first restored without pins, so a deep chain behind one input does not keep the others
+        pinned while it is rebuilt (pins would pile up one per level); what a later restore evicted again is
+        restored in another pass. Just-restored storages are the most expensive to evict (staleness 1), so a
+        pass rarely undoes another. After three passes, each is restored and pinned in turn.
+        """
+        for _ in range(3):
+            if all(b.state is State.RESIDENT for b in storages):
+                break
+            for b in storages:
+                if b.state is State.EVICTED:
+                    self.restore(b)
+                    self._restored.append(b)
+        pins = []
+        try:
+            for b in storages:
+                if b.state is State.EVICTED:
+                    self.restore(b)
+                    self._restored.append(b)
+                self.memory.pin(b)
+                pins.append(b)
+        except BaseException:
+            for b in pins:
+                self.memory.unpin(b)
+            raise
+        return pins
+
     def _views(self, recipe: Recipe, self_storage, version):
         """The recipe's arguments with arena views in place of ArgRefs (all resident by now)."""
-        flat, spec = tree_flatten((recipe.args, recipe.kwargs))
+        flat, spec = ops.flatten(recipe.args, recipe.kwargs)
         for i, a in enumerate(flat):
             if isinstance(a, ArgRef):
                 s = a.storage
@@ -514,13 +535,15 @@ class Runtime:
                                      f"recipe reads storage {s.sid} at version {a.version}, it is at {s.payload.version}")
                 _internal_assert(s.state is State.RESIDENT, f"storage {s.sid} is {s.state.value} during a replay")
                 flat[i] = self.arena.view(s.offset, a.dtype, a.size, a.stride, a.offset)
-        return tree_unflatten(flat, spec)
+        return ops.unflatten(flat, spec)
 
     def _copy_into(self, s: Storage, o: torch.Tensor) -> None:
         if self.device.type == "meta":
             return
-        stride = tuple(o.stride()) if _dense(o) else _contiguous_strides(o.size())
-        self.arena.view(s.offset, o.dtype, o.size(), stride, 0).copy_(o)
+        size, stride = tuple(o.size()), tuple(o.stride())
+        if not ops.dense(size, stride):
+            stride = _contiguous_strides(size)
+        self.arena.view(s.offset, o.dtype, size, stride, 0).copy_(o)
 
     # ======================================================================================= freezing
     def _freeze_readers(self, s: Storage) -> None:
@@ -557,20 +580,21 @@ class Runtime:
         c.unevictable_bytes += sign * self.memory.table.round_up(s.nbytes)
         c.unevictable_peak = max(c.unevictable_peak, c.unevictable_bytes)
 
-    def _note_external_reads(self, rargs, rkwargs, storages) -> None:
+    def _note_external_reads(self, recorded: list, storages) -> None:
         if not storages:
             return
-        for a in tree_flatten((rargs, rkwargs))[0]:
+        for a in recorded:
             if isinstance(a, torch.Tensor):
                 lst = self._ext_readers.setdefault(a.untyped_storage()._cdata, [])
                 lst.extend(weakref.ref(s) for s in storages)
 
     # ========================================================================================== lifetime
     def _wrap(self, s: Storage, dtype, size, stride, offset: int) -> Tensor:
-        t = Tensor(s.payload.cell, size, stride, offset, dtype, self.device)
+        cell = s.payload.cell(s)
+        t = Tensor(cell, size, stride, offset, dtype, self.device)
         s.payload.wrappers += 1
         self.live[s.sid] = s
-        weakref.finalize(t, _wrapper_died, s.payload.cell)
+        weakref.finalize(t, _wrapper_died, cell)
         return t
 
     def _drain_dead(self) -> None:
@@ -597,6 +621,17 @@ class Runtime:
         if s.state is not State.FREED:
             self.memory.free(s)
 
+    def _storage_at(self, t: torch.Tensor, func) -> Storage:
+        """The resident storage holding a raw arena view's first byte."""
+        byte = t.storage_offset() * t.element_size()
+        table = self.memory.table
+        i = int(np.searchsorted(table.offsets, byte, side="right")) - 1
+        off, size, owner = table.block(i)
+        if owner == 0:
+            raise UnsupportedOp(func, f"it reads arena bytes at offset {byte} that no live tensor owns (a raw "
+                                      f"view used after its tensor was evicted or freed)")
+        return self.memory._slots[owner - 1]
+
     def _owner_of(self, t: torch.Tensor, inputs, func) -> Storage:
         byte = t.storage_offset() * t.element_size()
         for s in inputs:
@@ -604,16 +639,10 @@ class Runtime:
                 return s
         raise UnsupportedOp(func, "it writes arena memory that belongs to none of its inputs")
 
-    def _direct_tensor_args(self, func, pargs, pkwargs):
-        for i, a in enumerate(func._schema.arguments):
-            v = pargs[i] if i < len(pargs) else pkwargs.get(a.name)
-            if isinstance(v, torch.Tensor):
-                yield i, v
-
-    def _capture_rng(self, func, pkwargs):
-        if torch.Tag.nondeterministic_seeded not in func.tags:
+    def _capture_rng(self, call: _Call):
+        if not call.op.random:
             return None
-        gen = _generator_for(self.device, pkwargs)
+        gen = _generator_for(self.device, call.pkwargs)
         return None if gen is None else (gen, gen.get_state())
 
     def _account(self, cost: float) -> None:
@@ -656,6 +685,10 @@ class Runtime:
         self.live.clear()
         self._externals.clear()
         self._ext_readers.clear()
+
+
+def _dead_ref():
+    return None
 
 
 def _grad_leaves_arena(leaf: torch.Tensor) -> None:

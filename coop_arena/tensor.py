@@ -27,6 +27,9 @@ class Cell:
 
 class Tensor(torch.Tensor):
     _cell: Cell
+    # Methods on a wrapper (size(), stride(), ...) must not go through Python's __torch_function__: every op is
+    # handled below autograd, in the Budget's dispatch mode or in __torch_dispatch__ here.
+    __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
     def __new__(cls, cell: Cell, size, stride, storage_offset: int, dtype: torch.dtype, device: torch.device):

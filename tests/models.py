@@ -10,7 +10,7 @@ import torch.nn.functional as F
 class MLP(nn.Module):
     """In-place ReLU after every Linear: recomputable in-place on every hidden activation."""
 
-    def __init__(self, width=64, depth=8):
+    def __init__(self, width=64, depth=16):
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
         self.head = nn.Linear(width, 10)

@@ -1,0 +1,123 @@
+"""What the runtime needs to know about an operator, read once from its schema and tags (never its name).
+
+Also a flat view of an op's arguments: aten arguments nest at most one level (a Tensor[] or int[]), so a
+list of leaves plus the shape of the top level is enough, and much cheaper than a general pytree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils.flop_counter import flop_registry
+
+aten = torch.ops.aten
+
+# Ops whose output bytes are uninitialized: a replay needs only the range, not the op (nor its inputs).
+_UNINITIALIZED = {aten.empty_like, aten.empty, aten.new_empty, aten.new_empty_strided, aten.empty_strided}
+# Namespaces of ops with effects outside their outputs (collectives): outputs unevictable (Rule 5).
+_EFFECTFUL_NAMESPACES = {"_c10d_functional", "c10d", "c10d_functional", "_dtensor"}
+
+
+@dataclass(frozen=True, slots=True)
+class OpInfo:
+    inplace_view: bool      # changes a tensor's metadata in place (unsqueeze_, set_): unsupported
+    written: tuple          # (position, name, kwarg_only, alias sets) of arguments the schema marks written
+    returns_alias: bool     # some output aliases an input (a view, or a written argument)
+    random: bool            # draws from a generator (Rule 4)
+    uninitialized: bool     # output is uninitialized memory
+    effectful: bool         # effects outside its outputs (Rule 5)
+    tensor_args: tuple      # (position, name, optional) of arguments typed Tensor or Tensor?
+    flops: object           # torch.utils.flop_counter formula, or None
+
+
+_CACHE: dict = {}
+
+
+def info(func) -> OpInfo:
+    i = _CACHE.get(func)
+    if i is None:
+        schema = func._schema
+        written, tensor_args = [], []
+        for pos, a in enumerate(schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                written.append((pos, a.name, a.kwarg_only, tuple(a.alias_info.before_set)))
+            t = a.type
+            optional = isinstance(t, torch.OptionalType)
+            if optional:
+                t = t.getElementType()
+            if isinstance(t, torch.TensorType):
+                tensor_args.append((pos, a.name, optional))
+        i = _CACHE[func] = OpInfo(
+            inplace_view=torch.Tag.inplace_view in func.tags,
+            written=tuple(written),
+            returns_alias=any(r.alias_info is not None for r in schema.returns),
+            random=torch.Tag.nondeterministic_seeded in func.tags,
+            uninitialized=func.overloadpacket in _UNINITIALIZED,
+            effectful=func.namespace in _EFFECTFUL_NAMESPACES,
+            tensor_args=tuple(tensor_args),
+            flops=flop_registry.get(func.overloadpacket))
+    return i
+
+
+def arg(args, kwargs, pos: int, name: str, kwarg_only: bool):
+    """The value given for schema argument `pos`, or None when it was left at its default."""
+    if pos < len(args) and not kwarg_only:
+        return args[pos]
+    return kwargs.get(name)
+
+
+def flatten(args: tuple, kwargs: dict):
+    """(leaves, spec) of an op's arguments; lists and tuples one level deep are opened."""
+    leaves, shape = [], []
+    for a in args:
+        if type(a) in (list, tuple):
+            shape.append((type(a), len(a)))
+            leaves.extend(a)
+        else:
+            shape.append(None)
+            leaves.append(a)
+    kshape = []
+    for k, v in kwargs.items():
+        if type(v) in (list, tuple):
+            kshape.append((k, type(v), len(v)))
+            leaves.extend(v)
+        else:
+            kshape.append((k, None, 1))
+            leaves.append(v)
+    return leaves, (shape, kshape)
+
+
+def unflatten(leaves: list, spec):
+    shape, kshape = spec
+    args, i = [], 0
+    for s in shape:
+        if s is None:
+            args.append(leaves[i])
+            i += 1
+        else:
+            kind, n = s
+            args.append(kind(leaves[i : i + n]))
+            i += n
+    kwargs = {}
+    for k, kind, n in kshape:
+        if kind is None:
+            kwargs[k] = leaves[i]
+            i += 1
+        else:
+            kwargs[k] = kind(leaves[i : i + n])
+            i += n
+    return tuple(args), kwargs
+
+
+def dense(size, stride) -> bool:
+    """True when the layout covers its span with no gap and no overlap (any dimension order)."""
+    dims = sorted((st, n) for n, st in zip(size, stride) if n != 1)
+    expected = 1
+    for st, n in dims:
+        if n == 0:
+            return True
+        if st != expected:
+            return False
+        expected *= n
+    return True

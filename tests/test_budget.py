@@ -1,0 +1,256 @@
+"""The Budget's contract beyond exactness: errors, escapes, random ops, custom ops, lifetime."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+
+import coop_arena
+from coop_arena.storage import State
+from training import bitwise_equal, state, train
+
+
+# ------------------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("nbytes", [0, -1, 1.5, True, "1GB", None])
+def test_bad_budget_size(nbytes):
+    with pytest.raises(ValueError, match="positive int"):
+        coop_arena.Budget(nbytes, device="cpu")
+
+
+def test_unknown_policy_and_device():
+    with pytest.raises(ValueError, match="coop, dtr, dte"):
+        coop_arena.Budget(1 << 20, device="cpu", policy="lru")
+    with pytest.raises(ValueError, match="cpu, cuda, meta"):
+        coop_arena.Budget(1 << 20, device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            coop_arena.Budget(1 << 20, device="cuda")
+    with pytest.raises(ValueError, match="True or False"):
+        coop_arena.Budget(1 << 20, device="cpu", partition="yes")
+
+
+def test_tensor_on_another_device_names_the_op():
+    budget = coop_arena.Budget(1 << 20, device="meta")
+    with pytest.raises(coop_arena.BudgetUsageError, match=r"aten\.mm.*on cpu.*arena is on meta"):
+        with budget:
+            torch.randn(4, 4, device="meta") @ torch.randn(4, 4)
+    with budget:  # still usable
+        y = torch.randn(4, 4, device="meta") @ torch.randn(4, 4, device="meta")
+    assert y.shape == (4, 4)
+
+
+def test_nested_budget_is_refused_and_outer_stays_usable():
+    outer, inner = coop_arena.Budget(1 << 20, device="cpu"), coop_arena.Budget(1 << 20, device="cpu")
+    x = torch.randn(8, 8)
+    with outer:
+        with pytest.raises(coop_arena.BudgetUsageError, match="do not nest"):
+            with inner:
+                pass
+        y = (x * 2).sum()
+    assert y.item() == (x * 2).sum().item()
+    with inner:  # and the refused one works on its own afterwards
+        z = x + 1
+    assert torch.equal(z.as_plain(), x + 1)
+
+
+def test_inplace_view_op_is_unsupported():
+    with coop_arena.Budget(1 << 20, device="cpu"):
+        y = torch.randn(4) * 2
+        with pytest.raises(coop_arena.UnsupportedOp, match="unsqueeze_"):
+            y.unsqueeze_(0)
+
+
+def test_out_of_budget_names_everything_and_changes_nothing():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    x = torch.randn(128, 64)
+    budget = coop_arena.Budget(100 << 10, device="cpu")
+    with budget:  # one good step, so grads exist
+        model(x[:4]).sum().backward()
+    before = state(model) + [p.grad.clone() for p in model.parameters()]
+    x_before = x.clone()
+    with pytest.raises(coop_arena.OutOfBudget) as err:
+        with budget:
+            model(x).sum().backward()
+    e = err.value
+    assert e.requested == 128 * 256 * 4 and e.budget == 100 << 10
+    assert e.op is not None and "aten." in e.op
+    assert 0 <= e.largest_window < e.requested and e.unevictable >= 0
+    assert "Raise the budget" in str(e)
+    assert bitwise_equal(before, state(model) + [p.grad for p in model.parameters()])
+    assert torch.equal(x, x_before)
+    assert budget.memory.used_bytes == 0 and budget.snapshot() == [
+        {"offset": 0, "size": budget.memory.budget, "state": "free", "sid": None}]
+    with budget:  # usable again
+        model(x[:4]).sum().backward()
+
+
+def test_keyboard_interrupt_leaves_budget_reusable():
+    budget = coop_arena.Budget(int(0.5 * 165376), device="cpu")
+    with pytest.raises(KeyboardInterrupt):
+        with budget:
+            torch.randn(64, 64) @ torch.randn(64, 64)
+            raise KeyboardInterrupt
+    model = train("mlp", budget)
+    assert bitwise_equal(state(train("mlp")), state(model))
+
+
+# ----------------------------------------------------------------------------------------- escape and grads
+def test_escaping_tensors_and_grads_leave_the_arena():
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16)
+    x = torch.randn(8, 16)
+    budget = coop_arena.Budget(1 << 20, device="cpu")
+    with budget:
+        out = model(x)
+        loss = out.square().mean()
+        loss.backward()
+    assert isinstance(loss, coop_arena.Tensor)
+    assert loss.item() == (model(x).square().mean()).item()
+    assert type(model.weight.grad) is torch.Tensor and type(model.bias.grad) is torch.Tensor
+    for t in (out, loss):
+        assert t.as_plain().untyped_storage()._cdata != budget.arena.key, "escaped tensor still in the arena"
+    assert torch.equal(out.as_plain(), model(x).detach())
+    assert budget.memory.used_bytes == 0
+    # an escaped tensor is an ordinary input to a later block (Rule 1: read, not moved)
+    with budget:
+        again = out * 2
+    assert torch.equal(again.as_plain(), out.as_plain() * 2)
+
+
+def test_stats_and_snapshot_are_plain_data():
+    budget = coop_arena.Budget(64 << 10, device="cpu")
+    with budget:
+        xs = [torch.randn(1024) * i for i in range(40)]  # 4 KiB each, more than the budget holds
+        snap = budget.snapshot()
+        total = sum(float(x.sum()) for x in xs)  # reads evicted ones back
+    assert all(set(b) >= {"offset", "size", "state", "sid"} for b in snap)
+    assert sum(b["size"] for b in snap) == budget.memory.budget
+    st = budget.stats
+    assert st.evictions > 0 and st.rematerializations > 0 and st.peak_bytes <= st.budget
+    assert st.compute_overhead > 1.0 and 0.0 <= st.fragmentation < 1.0
+    assert isinstance(st.as_dict(), dict)
+    assert total == pytest.approx(sum(float((torch.randn(1) * 0).sum()) for _ in range(0)) + total)
+
+
+# -------------------------------------------------------------------------------------------------- random
+@pytest.mark.parametrize("make", [
+    lambda: torch.rand(4096),
+    lambda: torch.randn(4096),
+    lambda: torch.randperm(4096).float(),
+    lambda: torch.empty(4096).normal_(),
+    lambda: torch.empty(4096).uniform_(),
+    lambda: torch.bernoulli(torch.full((4096,), 0.3)),
+    lambda: torch.nn.functional.dropout(torch.ones(4096), 0.5),
+], ids=["rand", "randn", "randperm", "normal_", "uniform_", "bernoulli", "dropout"])
+def test_random_ops_recompute_the_same_bits(make):
+    torch.manual_seed(7)
+    expected = make()
+    torch.manual_seed(7)
+    budget = coop_arena.Budget(48 << 10, device="cpu")  # three 16 KiB tensors
+    with budget:
+        r = make()
+        fillers = [torch.ones(4096) * i for i in range(6)]  # push r out
+        assert r._cell.storage.state is State.EVICTED
+        got = r.as_plain().clone()  # recomputed
+        del fillers
+    assert budget.stats.rematerializations >= 1
+    assert torch.equal(got, expected)
+    assert torch.equal(r.as_plain(), expected)
+
+
+# ----------------------------------------------------------------------------------------------- custom ops
+@torch.library.custom_op("coop_arena_test::scaled_tanh", mutates_args=())
+def scaled_tanh(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.tanh(x) * scale
+
+
+@scaled_tanh.register_fake
+def _(x, scale):
+    return torch.empty_like(x)
+
+
+def test_custom_op_is_recorded_and_recomputed():
+    x = torch.randn(4096)
+    budget = coop_arena.Budget(48 << 10, device="cpu")
+    calls = []
+    with budget:
+        y = scaled_tanh(x, 3.0)
+        fillers = [torch.ones(4096) * i for i in range(6)]
+        assert y._cell.storage.state is State.EVICTED
+        assert y._cell.storage.payload.recipe.func is torch.ops.coop_arena_test.scaled_tanh.default
+        y0 = y + 0
+        got = y0.as_plain().clone()
+        calls.append(budget.stats.rematerializations)
+        del fillers
+    assert calls[0] >= 1
+    assert torch.equal(got, torch.tanh(x) * 3.0)
+
+
+def test_pinned_gives_raw_arena_bytes_and_keeps_them():
+    budget = coop_arena.Budget(48 << 10, device="cpu")
+    x = torch.randn(4096)
+    with budget:
+        out = torch.empty_like(x)
+        a = x * 1
+        with coop_arena.pinned(out) as raw_out, coop_arena.pinned(a, readonly=True) as raw_a:
+            assert raw_out.untyped_storage()._cdata == budget.arena.key
+            torch.mul(raw_a, 2.0, out=raw_out)  # stands for a hand-launched kernel writing into the arena
+            assert out._cell.storage.pins == 1
+        assert not out._cell.storage.evictable  # its bytes came from outside any recipe
+        fillers = [torch.ones(4096) * i for i in range(6)]
+        assert out._cell.storage.state is State.RESIDENT
+        out0 = out + 0
+        result = out0.as_plain().clone()
+        del fillers
+    assert torch.equal(result, x * 2)
+    with pytest.raises(TypeError):
+        with coop_arena.pinned(x):
+            pass
+
+
+# ------------------------------------------------------------------------------------------------- lifetime
+def test_wrapper_leaves_no_reference_cycle():
+    budget = coop_arena.Budget(1 << 20, device="cpu")
+    gc.collect()
+    gc.disable()
+    try:
+        with budget:
+            y = torch.randn(64) * 2
+            z = y.exp()
+            s = weakref.ref(z._cell.storage)
+        del y, z
+        assert s() is None, "a storage outlived its tensors without the cycle collector"
+    finally:
+        gc.enable()
+
+
+def test_soak_500_steps_occupancy_and_objects():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(16, 16), nn.ReLU(inplace=True))],
+                          nn.Linear(16, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(16, 16), torch.randint(0, 10, (16,))
+    probe = coop_arena.Budget(1 << 24, device="cpu")
+    with probe:
+        nn.functional.cross_entropy(model(x), y).backward()
+    budget = coop_arena.Budget(probe.stats.peak_bytes // 2, device="cpu")
+    counts, evictions = [], 0
+    for step in range(500):
+        opt.zero_grad()
+        with budget:
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+        opt.step()
+        del loss
+        assert budget.memory.used_bytes == 0
+        evictions += budget.stats.evictions
+        if step in (99, 499):
+            gc.collect()
+            counts.append(len(gc.get_objects()))
+    assert evictions > 0
+    assert counts[1] <= counts[0], f"live objects grew from {counts[0]} to {counts[1]}"
