@@ -23,10 +23,17 @@ test: $(VENV)/.installed
 	$(KERNEL_ENV) $(PY) -m pytest -q tests
 
 bench: $(VENV)/.installed
-	$(KERNEL_ENV) $(PY) -m pytest -q bench --benchmark-only --benchmark-columns=min,median,max,rounds
+	$(KERNEL_ENV) $(PY) -m pytest -q bench/test_search_latency.py --benchmark-only \
+		--benchmark-json=bench/results/search_latency.json
+	$(KERNEL_ENV) $(PY) -m pytest -q bench/test_step_time.py --benchmark-only \
+		--benchmark-json=bench/results/step_time.json
+	$(PY) bench/report.py step_time bench/results/step_time.json > bench/results/step_time.md
+	$(KERNEL_ENV) $(PY) -m pytest -q bench/test_kernels_bench.py --benchmark-only
 
+# The GPU layer: CUDA tests and kernel benchmarks (skipped, with a reason, where no GPU is present).
 gpu-check: $(VENV)/.installed
-	$(PY) -m pytest -q -m gpu tests bench
+	$(PY) -m pytest -q -m gpu tests bench/test_kernels_bench.py \
+		--benchmark-json=bench/results/gpu_kernels.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -6,7 +6,7 @@ import contextlib
 
 import torch
 
-from models import MODELS, batch, loss_fn
+from coop_arena.examples import MODELS, batch, loss_fn
 
 
 def build(name: str, device="cpu"):

@@ -1,4 +1,6 @@
-"""Small real models for the exactness tests: each exercises a different part of the runtime."""
+"""Small real models for the demo, the tests and `coop-arena plan`: each exercises a different part of the
+runtime (in-place activations, BatchNorm and residual writes, attention with views, dropout and weight
+tying, a fused LSTM). `batch(name, step)` gives the same inputs for every run of a step."""
 
 from __future__ import annotations
 
