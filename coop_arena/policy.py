@@ -74,27 +74,22 @@ def coop_window(offsets, sizes, kind, h, need: int) -> EvictionPlan | None:
     merged = np.concatenate((offsets, target)).argsort(kind="stable")
     left = (merged >= n).nonzero()[0]                   # positions of the targets in the merged order
     left -= np.arange(1, n - r0 + 1)                    # ... minus the targets before them, minus one
+    blocked = (kind == BLOCKED).nonzero()[0]
+    h[blocked] = 0.0
     h0 = np.empty(n + 1)
     h0[0] = 0.0
-    blocked = (kind == BLOCKED).nonzero()[0]
+    h.cumsum(out=h0[1:])
+    cost = h0[r0 + 1 :] - h0.take(left)
     if blocked.size:
-        h[blocked] = 0.0
-        h.cumsum(out=h0[1:])
         last_blocked = np.empty(n, np.int64)
         last_blocked.fill(-1)
         last_blocked[blocked] = blocked
         np.maximum.accumulate(last_blocked, out=last_blocked)
-        valid = (left > last_blocked[r0:]).nonzero()[0]
-        if valid.size == 0:
-            return None
-        cost = h0[valid + (r0 + 1)] - h0[left[valid]]
-        j = int(cost.argmin())
-        r, lo = int(valid[j]) + r0, int(left[valid[j]])
-    else:
-        h.cumsum(out=h0[1:])
-        cost = h0[r0 + 1 :] - h0[left]
-        j = int(cost.argmin())
-        r, lo = j + r0, int(left[j])
+        cost[left <= last_blocked[r0:]] = np.inf        # a BLOCKED block inside: not a window
+    j = int(cost.argmin())
+    if cost[j] == np.inf:
+        return None
+    r, lo = j + r0, int(left[j])
     victims = tuple(i for i, k in enumerate(kind[lo : r + 1].tolist(), lo) if k == EVICTABLE)
     return EvictionPlan(victims, int(offsets[lo]), int(ends[r]), float(cost[j]), "coop")
 
