@@ -497,17 +497,14 @@ class Runtime:
         """Make all `storages` resident at the same time and pin them (Rule 3).
 
         They are first restored without pins, so a deep chain behind one input does not keep the others
-        pinned while it is rebuilt (pins would pile up one per level); what a later restore evicted again is
-        restored in another pass. Just-restored storages are the most expensive to evict (staleness 1), so a
-        pass rarely undoes another. After three passes, each is restored and pinned in turn.
+        pinned while it is rebuilt (pins would pile up one per level). A second pass pins each, restoring
+        again what a later restore evicted (rare: a just-restored storage has staleness 1, the most expensive
+        to evict). One unpinned pass only: more would multiply work at every level of a deep chain.
         """
-        for _ in range(3):
-            if all(b.state is State.RESIDENT for b in storages):
-                break
-            for b in storages:
-                if b.state is State.EVICTED:
-                    self.restore(b)
-                    self._restored.append(b)
+        for b in storages:
+            if b.state is State.EVICTED:
+                self.restore(b)
+                self._restored.append(b)
         pins = []
         try:
             for b in storages:
