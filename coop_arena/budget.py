@@ -49,6 +49,7 @@ class BudgetStats:
     fragmentation: float       # mean free bytes / budget over placements that needed eviction
     unevictable_bytes: int     # peak bytes of unevictable storages
     frozen: int                # storages made unevictable by a later write to what they read
+    lower_bound: int           # largest single-op working set (inputs and outputs) plus unevictable bytes
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -125,7 +126,8 @@ class Budget:
             rematerializations=c.rematerializations, compute_cost=c.compute_cost, recompute_cost=c.recompute_cost,
             compute_overhead=(c.compute_cost + c.recompute_cost) / c.compute_cost if c.compute_cost else 1.0,
             search_seconds=m.search_seconds, search_seconds_per_event=m.search_seconds_per_event,
-            fragmentation=m.fragmentation, unevictable_bytes=c.unevictable_peak, frozen=c.frozen)
+            fragmentation=m.fragmentation, unevictable_bytes=c.unevictable_peak, frozen=c.frozen,
+            lower_bound=c.working_set_peak + c.unevictable_peak)
 
     # ----------------------------------------------------------------------------------------- observability
     @property

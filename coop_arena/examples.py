@@ -133,3 +133,13 @@ def loss_fn(name, out, y):
     if name == "gpt":
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
     return F.cross_entropy(out, y)
+
+
+def example(name: str, batch_size: int):
+    """(model, inputs) of an example model with `batch_size` samples (for `coop-arena plan`)."""
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    x, _ = batch(name, 0)
+    reps = -(-batch_size // x.shape[0])
+    x = x.repeat(reps, *([1] * (x.dim() - 1)))[:batch_size]
+    return model, (x,)

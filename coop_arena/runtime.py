@@ -120,6 +120,7 @@ class RuntimeCounters:
     rematerializations: int = 0     # storages restored by replaying their recipes
     unevictable_bytes: int = 0      # now: resident bytes that may not be evicted (not counting pins)
     unevictable_peak: int = 0
+    working_set_peak: int = 0       # largest bytes one op held at once: its inputs and its outputs
     frozen: int = 0                 # storages made unevictable by a later write to what they read
 
 
@@ -313,6 +314,9 @@ class Runtime:
             raise
         for s in placed:
             self.memory.unpin(s)
+        table = self.memory.table
+        ws = sum(table.round_up(s.nbytes) for s in call.inputs) + sum(table.round_up(s.nbytes) for s in placed)
+        self.counters.working_set_peak = max(self.counters.working_set_peak, ws)
         self._note_external_reads(call.recorded, placed)
         return tuple(out_leaves) if isinstance(out, tuple) else (out_leaves if isinstance(out, list) else out_leaves[0])
 

@@ -1,0 +1,87 @@
+"""`coop-arena plan`: will a training step fit a budget, and at what recompute overhead? A dry run on the
+`meta` device (no data, the same engine and cost model as a real run), so a laptop can plan a GPU budget."""
+
+from __future__ import annotations
+
+import importlib
+import re
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from .budget import Budget
+from .errors import OutOfBudget
+from .policy import POLICIES
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40}
+
+
+def parse_budget(text: str) -> tuple[str, float]:
+    """("ratio", r) for a number in (0, 1], ("bytes", n) for a size such as 8GiB, 512MiB or 1e9."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read budget {text!r}: give bytes with a unit (8GiB, 512MiB, 1e9) or a ratio "
+                         f"of the plain peak in (0, 1] (0.5)")
+    value, unit = float(m.group(1)), m.group(2).lower()
+    if not unit and 0 < value <= 1:
+        return "ratio", value
+    if value * _UNITS[unit] < 1:
+        raise ValueError(f"budget {text!r} is less than one byte")
+    return "bytes", value * _UNITS[unit]
+
+
+def load(spec: str, batch: int):
+    """(model, inputs) from a name in coop_arena.examples or `module:function(batch)`, built on meta."""
+    if ":" in spec:
+        mod, fn = spec.split(":", 1)
+        factory = getattr(importlib.import_module(mod), fn)
+        with torch.device("meta"):  # a large model is never materialized
+            model, inputs = factory(batch)
+    else:
+        from . import examples
+        if spec not in examples.MODELS:
+            raise ValueError(f"unknown model {spec!r}: use one of {', '.join(examples.MODELS)} or module:function")
+        model, inputs = examples.example(spec, batch)
+    return model.to("meta"), tuple(x.to("meta") for x in (inputs if isinstance(inputs, (tuple, list)) else (inputs,)))
+
+
+def step(model, inputs, budget: Budget) -> None:
+    with budget:
+        out = model(*inputs)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        out.float().sum().backward()
+    for p in model.parameters():
+        p.grad = None
+
+
+def plan(spec: str, batch: int, budget_text: str, console: Console | None = None) -> dict:
+    console = console or Console()
+    kind, value = parse_budget(budget_text)
+    model, inputs = load(spec, batch)
+    probe = Budget(1 << 50, device="meta")
+    step(model, inputs, probe)
+    peak, lower = probe.stats.peak_bytes, probe.stats.lower_bound
+    nbytes = int(value * peak) if kind == "ratio" else int(value)
+    result = {"model": spec, "batch": batch, "plain_peak": peak, "lower_bound": lower, "budget": nbytes,
+              "policies": {}}
+    table = Table(title=f"{spec}, batch {batch}: plain peak {peak / 2**20:.1f} MiB, lower bound "
+                        f"{lower / 2**20:.1f} MiB, budget {nbytes / 2**20:.1f} MiB ({nbytes / peak:.0%} of peak)")
+    for col in ("policy", "fits", "compute overhead", "evictions", "fragmentation", "arena peak"):
+        table.add_column(col, justify="right")
+    for policy in POLICIES:
+        b = Budget(max(nbytes, 512), device="meta", policy=policy)
+        try:
+            step(model, inputs, b)
+            st = b.stats
+            row = {"fits": True, "compute_overhead": st.compute_overhead, "evictions": st.evictions,
+                   "fragmentation": st.fragmentation, "peak_bytes": st.peak_bytes}
+            table.add_row(policy, "yes", f"{st.compute_overhead:.3f}x", str(st.evictions), f"{st.fragmentation:.3f}",
+                          f"{st.peak_bytes / 2**20:.1f} MiB")
+        except OutOfBudget as e:
+            row = {"fits": False, "error": str(e)}
+            table.add_row(policy, f"no ({e.op})", "-", "-", "-", "-")
+        result["policies"][policy] = row
+    console.print(table)
+    return result
