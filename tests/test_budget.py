@@ -90,7 +90,9 @@ def test_out_of_budget_names_everything_and_changes_nothing():
 
 
 def test_keyboard_interrupt_leaves_budget_reusable():
-    budget = coop_arena.Budget(int(0.5 * 165376), device="cpu")
+    probe = coop_arena.Budget(1 << 26, device="cpu")
+    train("mlp", probe, steps=1)
+    budget = coop_arena.Budget(int(0.6 * probe.stats.peak_bytes), device="cpu")
     with pytest.raises(KeyboardInterrupt):
         with budget:
             torch.randn(64, 64) @ torch.randn(64, 64)
@@ -231,10 +233,10 @@ def test_wrapper_leaves_no_reference_cycle():
 
 def test_soak_500_steps_occupancy_and_objects():
     torch.manual_seed(0)
-    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(16, 16), nn.ReLU(inplace=True))],
-                          nn.Linear(16, 10))
+    model = nn.Sequential(*[m for _ in range(12) for m in (nn.Linear(32, 32), nn.ReLU(inplace=True))],
+                          nn.Linear(32, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = torch.randn(16, 16), torch.randint(0, 10, (16,))
+    x, y = torch.randn(64, 32), torch.randint(0, 10, (64,))
     probe = coop_arena.Budget(1 << 24, device="cpu")
     with probe:
         nn.functional.cross_entropy(model(x), y).backward()
