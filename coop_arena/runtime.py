@@ -159,7 +159,7 @@ def _plain_dispatch():
 @contextmanager
 def _replaying(recipe: "Recipe"):
     """The conditions the op first ran under: grad mode and, for a random op, the generator state (Rule 4)."""
-    with torch.set_grad_enabled(recipe.grad_mode), _rng(recipe.rng):
+    with torch.set_grad_enabled(recipe.grad_mode), torch._C._AutoDispatchBelowADInplaceOrView(), _rng(recipe.rng):
         yield
 
 

@@ -126,8 +126,12 @@ def test_evict_everything_after_every_op_is_exact(name):
 
 
 def test_dry_run_matches_cpu_run():
-    """The same engine on meta makes the same decisions: same trace, same stats (timings aside)."""
-    for name in ["mlp", "gpt", "cnn"]:
+    """The same engine on meta makes the same decisions: same trace, same stats (timings aside).
+
+    (The GPT and LSTM examples are left out: autograd accumulates the tied embedding's gradient in place or
+    out of place depending on reference counts, and the CPU LSTM is one fused op, so their op sequences
+    differ between devices before coop_arena sees them.)"""
+    for name in ["mlp", "cnn"]:
         nbytes = int(0.4 * plain_peak(name))
         runs = {}
         for device in ["cpu", "meta"]:
