@@ -15,10 +15,6 @@ import torch
 FLOPS_PER_BYTE = 16.0
 
 
-def tensor_bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def op_cost(formula, args, kwargs, in_leaves, out_leaves, outs) -> float:
     """`formula` is the op's flop_counter formula or None; the leaves are its arguments and outputs."""
     moved = 0
