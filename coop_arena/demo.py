@@ -47,7 +47,7 @@ def train(budget: Budget | None, steps: int, desc: str):
                 loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
                 loss.backward()
         opt.step()
-    return model, time.perf_counter() - t0, float(loss)
+    return model, time.perf_counter() - t0, loss.detach().item()
 
 
 def main(steps: int = 4, ratio: float = 0.5) -> int:
