@@ -343,13 +343,10 @@ class Runtime:
                          if isinstance(o, torch.Tensor) and self.arena.owns(o) else o for o in out)
 
     def _wrap_alias(self, o, inputs, func):
-        byte = o.storage_offset() * o.element_size()
-        for s in inputs:
-            if s.offset <= byte < s.offset + max(s.nbytes, 1) or (o.numel() == 0 and s.offset <= byte <= s.offset + s.nbytes):
-                rel = byte - s.offset
-                _internal_assert(rel % o.element_size() == 0, f"{func}: view offset {rel} not a multiple of its item size")
-                return self._wrap(s, o.dtype, o.size(), o.stride(), rel // o.element_size())
-        raise UnsupportedOp(func, "it returned a view of arena memory that belongs to none of its inputs")
+        s = self._input_holding(o, inputs, func, "returned a view of")
+        rel = o.storage_offset() * o.element_size() - s.offset
+        _internal_assert(rel % o.element_size() == 0, f"{func}: view offset {rel} not a multiple of its item size")
+        return self._wrap(s, o.dtype, o.size(), o.stride(), rel // o.element_size())
 
     # ---------------------------------------------------------------------------------------------- writes
     def _written(self, call: "_Call", args, kwargs):
@@ -364,7 +361,7 @@ class Runtime:
                 if v is None:
                     continue
                 if self.arena.owns(v):
-                    s = self._owner_of(v, call.inputs, func)
+                    s = self._input_holding(v, call.inputs, func, "writes")
                     if not any(s is t for t in targets):
                         targets.append(s)
                 else:  # See Rule 5: a write outside the arena is an effect; what read the old value is frozen
@@ -633,12 +630,14 @@ class Runtime:
                                       f"view used after its tensor was evicted or freed)")
         return self.memory._slots[owner - 1]
 
-    def _owner_of(self, t: torch.Tensor, inputs, func) -> Storage:
+    def _input_holding(self, t: torch.Tensor, inputs, func, what: str) -> Storage:
+        """The input storage a plain arena tensor `t` (an op's view or written argument) lies in; an empty
+        view may start right at its storage's end."""
         byte = t.storage_offset() * t.element_size()
         for s in inputs:
-            if s.offset <= byte < s.offset + max(s.nbytes, 1):
+            if s.offset <= byte < s.offset + max(s.nbytes, 1) or (t.numel() == 0 and s.offset <= byte <= s.offset + s.nbytes):
                 return s
-        raise UnsupportedOp(func, "it writes arena memory that belongs to none of its inputs")
+        raise UnsupportedOp(func, f"it {what} arena memory that belongs to none of its inputs")
 
     def _capture_rng(self, call: _Call):
         if not call.op.random:
