@@ -119,6 +119,21 @@ class BlockTable:
         self.used_bytes += need
         return at
 
+    def place_at(self, offset: int, nbytes: int, owner: int) -> int:
+        """Give `owner` the aligned range of `nbytes` starting exactly at `offset`, inside one free block."""
+        need = self.round_up(nbytes)
+        i = int(np.searchsorted(self._off[: self._n], offset, side="right")) - 1
+        off, size, cur = self.block(i)
+        _internal_assert(cur == FREE and off <= offset and offset + need <= off + size and offset % self.alignment == 0,
+                         f"range {offset}+{need} is not inside the free block {off}+{size} (owner {cur})")
+        if offset > off:  # split off the free bytes below the range
+            self._free_remove(size, off)
+            self._size[i] = offset - off
+            self._free_add(offset - off, off)
+            self._insert(i + 1, offset, off + size - offset, FREE)
+            self._free_add(off + size - offset, offset)
+        return self.place(offset, need, owner, high=False)
+
     def release(self, offset: int) -> int:
         """Free the block at `offset`, merging with free neighbours; returns the merged block's offset."""
         i = self.index_of(offset)

@@ -50,6 +50,8 @@ class BudgetStats:
     unevictable_bytes: int     # peak bytes of unevictable storages
     frozen: int                # storages made unevictable by a later write to what they read
     lower_bound: int           # largest single-op working set (inputs and outputs) plus unevictable bytes
+    relocations: int = 0       # blocks copied out of a window instead of evicted (coop)
+    relocated_bytes: int = 0   # their bytes; each costs a read and a write in compute_overhead
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -67,20 +69,26 @@ class _Mode(TorchDispatchMode):
 class Budget:
     def __init__(self, nbytes: int, *, device=None, policy: str = "coop", partition: bool = True,
                  recomputable_inplace: bool = True, alignment: int = 512, cheap_density: float = 4.0,
-                 trace_len: int = 10_000):
+                 trace_len: int = 10_000, max_overhead: float | None = None, relocate: bool = True):
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"nbytes must be a positive int number of bytes, got {nbytes!r} "
                              f"(for example coop_arena.Budget(4 << 30) for 4 GiB)")
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; accepted: {', '.join(POLICIES)}")
-        for name, v in (("partition", partition), ("recomputable_inplace", recomputable_inplace)):
+        for name, v in (("partition", partition), ("recomputable_inplace", recomputable_inplace),
+                        ("relocate", relocate)):
             if not isinstance(v, bool):
                 raise ValueError(f"{name} must be True or False, got {v!r}")
+        if max_overhead is not None and (isinstance(max_overhead, bool) or not isinstance(max_overhead, (int, float))
+                                         or not max_overhead > 1.0):
+            raise ValueError(f"max_overhead must be None (no limit) or a number > 1, got {max_overhead!r} (for "
+                             f"example 10: stop with Thrashing once recomputation costs 9x the ops run so far)")
+        self.max_overhead = None if max_overhead is None else float(max_overhead)
         self.device = resolve_device(device)
         self.policy = policy
         self.recomputable_inplace = recomputable_inplace
         self.memory = Memory(nbytes, policy=policy, partition=partition, alignment=alignment,
-                             cheap_density=cheap_density, trace_len=trace_len)
+                             cheap_density=cheap_density, trace_len=trace_len, relocate=relocate)
         self.arena = Arena(nbytes, self.device, self.memory.table.usable)
         self._runtime: Runtime | None = None
         self._mode: _Mode | None = None
@@ -97,7 +105,8 @@ class Budget:
                                    f"{self!r}, or use one Budget for the whole step")
         raise_recursion_limit()
         self.memory.reset()
-        self._runtime = Runtime(self.memory, self.arena, recomputable_inplace=self.recomputable_inplace)
+        self._runtime = Runtime(self.memory, self.arena, recomputable_inplace=self.recomputable_inplace,
+                                max_overhead=self.max_overhead)
         self._mode = _Mode(self._runtime)
         self._mode.__enter__()
         _active.budget = self
@@ -124,10 +133,12 @@ class Budget:
             budget=self.memory.budget, peak_bytes=m.peak_bytes, ops=c.ops, evictions=m.evictions,
             eviction_events=m.eviction_events, evicted_bytes=m.evicted_bytes, excess_bytes=m.excess_bytes,
             rematerializations=c.rematerializations, compute_cost=c.compute_cost, recompute_cost=c.recompute_cost,
-            compute_overhead=(c.compute_cost + c.recompute_cost) / c.compute_cost if c.compute_cost else 1.0,
+            compute_overhead=((c.compute_cost + c.recompute_cost + 2.0 * m.relocated_bytes) / c.compute_cost
+                              if c.compute_cost else 1.0),
             search_seconds=m.search_seconds, search_seconds_per_event=m.search_seconds_per_event,
             fragmentation=m.fragmentation, unevictable_bytes=c.unevictable_peak, frozen=c.frozen,
-            lower_bound=c.working_set_peak + c.unevictable_peak)
+            lower_bound=c.working_set_peak + c.unevictable_peak, relocations=m.relocations,
+            relocated_bytes=m.relocated_bytes)
 
     # ----------------------------------------------------------------------------------------- observability
     @property
@@ -162,10 +173,12 @@ def pinned(t: Tensor, *, readonly: bool = False):
     with _plain_dispatch():
         rt._make_resident(s)
         rt.memory.pin(s)
+        rt.memory.fix(s)  # the raw view must stay valid: never relocated either
         raw = rt.arena.view(s.offset, t.dtype, t.size(), t.stride(), t.storage_offset())
     try:
         yield raw
     finally:
+        rt.memory.unfix(s)
         rt.memory.unpin(s)
         if not readonly and s.payload.runtime is rt:
             with _plain_dispatch():

@@ -39,6 +39,27 @@ class OutOfBudget(CoopArenaError):
         )
 
 
+class Thrashing(CoopArenaError):
+    """Recomputation passed the Budget's `max_overhead`: the step could go on, but at a cost its user ruled out.
+
+    Raised before the replay that would pass the limit, at the same point as an `OutOfBudget` from a restore,
+    so the Budget stays usable.
+    """
+
+    def __init__(self, recompute_cost: float, compute_cost: float, max_overhead: float, op: str | None = None):
+        self.recompute_cost = recompute_cost
+        self.compute_cost = compute_cost
+        self.max_overhead = max_overhead
+        self.op = op
+        where = f" while rebuilding an input of {op}" if op else ""
+        super().__init__(
+            f"recomputation{where} has cost {recompute_cost:.4g}, {recompute_cost / max(compute_cost, 1e-30):.2f}x "
+            f"the {compute_cost:.4g} of the ops run so far, past the limit of max_overhead={max_overhead:g} "
+            f"(overhead = (compute + recompute) / compute). The budget is too small for this step to run at that "
+            f"overhead: raise the budget, use a smaller batch, or raise max_overhead (None for no limit)."
+        )
+
+
 class UnsupportedOp(CoopArenaError):
     """An operator the runtime cannot record or place correctly; raised instead of a silent wrong result."""
 

@@ -8,6 +8,9 @@ Allocation policy (Note [Placement]):
 - Cheap tensor partitioning: a storage whose cost per byte is at least `cheap_density` is *expensive* and is
   placed at the low-address edge of its free block; a cheap one at the high-address edge. Cheap storages so
   gather into runs that form low-cost windows. `partition=False` places everything at the low edge.
+- Relocation (coop only, Note [Relocation]): when no window exists because pinned or unevictable blocks split
+  the arena, a window may also cover such blocks; they are copied to free blocks outside it (a copy, never a
+  recomputation) and the rest of the window is evicted.
 - A request that no plan can serve raises OutOfBudget before anything changes (Rule 7).
 
 Rules enforced here (see Rule N in ../shared DESIGN numbering):
@@ -54,7 +57,7 @@ def _check_cost(cost, what: str = "cost") -> float:
 
 class Memory:
     def __init__(self, nbytes: int, *, policy: str = "coop", partition: bool = True, alignment: int = 512,
-                 cheap_density: float = 4.0, trace_len: int = 10_000):
+                 cheap_density: float = 4.0, trace_len: int = 10_000, relocate: bool = True):
         nbytes = _check_nbytes(nbytes, "the budget")
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
@@ -62,8 +65,15 @@ class Memory:
             raise TypeError(f"partition must be True or False, got {partition!r}")
         if not (isinstance(cheap_density, (int, float)) and math.isfinite(cheap_density) and cheap_density >= 0):
             raise ValueError(f"cheap_density must be a finite number >= 0, got {cheap_density!r}")
+        if not isinstance(relocate, bool):
+            raise TypeError(f"relocate must be True or False, got {relocate!r}")
         self.policy = policy
         self.partition = partition
+        self.relocate = relocate and policy == "coop"
+        # Relocation copies bytes through `mover(src, dst, nbytes)` (set by the runtime that owns the bytes) and
+        # only while `may_relocate` is true: the runtime clears it while raw views of resident storages are live.
+        self.mover = None
+        self.may_relocate = True
         self.cheap_density = float(cheap_density)
         self.table = BlockTable(nbytes, alignment)
         self.trace_len = trace_len
@@ -80,6 +90,7 @@ class Memory:
         self._slots: list[Storage | None] = []   # slot -> resident storage
         self._free_slots: list[int] = []
         self._next_sid = 0
+        self._fixed: dict[int, int] = {}        # sid -> holds of storages that must keep their address
         self.clock = 0.0
         self.stats = MemoryStats(budget=self.table.usable)
         self.trace = Trace(self.trace_len)
@@ -164,6 +175,22 @@ class Memory:
         if s.pins == 0 and s.state is State.RESIDENT:
             self._kind[s.slot + 1] = EVICTABLE if s.evictable else BLOCKED
 
+    def fix(self, s: Storage) -> None:
+        """Keep a pinned storage at its address (a raw view of it is out in the world): never relocated."""
+        self._check_mine(s)
+        if not s.pins:
+            raise ValueError(f"storage {s.sid} is not pinned; pin it before fixing its address")
+        self._fixed[s.sid] = self._fixed.get(s.sid, 0) + 1
+
+    def unfix(self, s: Storage) -> None:
+        n = self._fixed.get(s.sid, 0)
+        if n <= 0:
+            raise ValueError(f"storage {s.sid} is not fixed; unfix must match an earlier fix")
+        if n == 1:
+            del self._fixed[s.sid]
+        else:
+            self._fixed[s.sid] = n - 1
+
     def touch(self, s: Storage) -> None:
         self._check_mine(s)
         s.last_access = self.clock
@@ -227,13 +254,16 @@ class Memory:
         if at is None:
             t0 = time.perf_counter()
             plan = self._plan(need)
+            moves = ()
+            if plan is None and self.relocate and self.may_relocate and self.mover is not None:
+                plan, moves = self._relocation_plan(need)
             dt = time.perf_counter() - t0
             if plan is None:
                 self.trace.add("out_of_budget", s.sid, -1, s.nbytes, self.clock)
                 _, sizes, kind, _, _ = self._columns()
                 raise OutOfBudget(s.nbytes, table.nbytes, int(sizes[kind == BLOCKED].sum()),
                                   _policy.largest_window(sizes, kind), op)
-            at = self._apply(plan, need, dt)
+            at = self._apply(plan, need, dt, moves)
         slot = self._free_slots.pop() if self._free_slots else self._new_slot()
         s.offset = table.place(at, need, slot + 1, high=self.partition and not s.expensive)
         s.slot = slot
@@ -246,8 +276,94 @@ class Memory:
         self._last[slot + 1] = s.last_access = self.clock
         self.stats.peak_bytes = max(self.stats.peak_bytes, table.used_bytes)
 
-    def _apply(self, plan: _policy.EvictionPlan, need: int, search_seconds: float) -> int:
-        """Evict the plan's victims; returns the offset of the free block that now covers the plan's range."""
+    # Note [Relocation]
+    # Rationale: an op pins its inputs while its output is placed; many small inputs (a stack or cat of per-step
+    #   tensors) or a few unevictable ones can split the arena so that no run of blocks free of them covers the
+    #   request, although far more than the request is evictable. Moving a block is a copy of its bytes, much
+    #   cheaper than the recomputations a failed step (or a larger budget) would cost.
+    # Approach: the window search runs again with pinned and unevictable blocks counted as evictable at the
+    #   price of a copy (2 x bytes over staleness, in the units of c/s), except those fixed at their address.
+    #   The BLOCKED blocks inside the chosen window get destinations in the free blocks outside it (largest
+    #   first, best fit, low edge); if one finds none, there is no plan. Only then does anything change: each
+    #   block is placed at its destination, its bytes copied (source and destination never overlap), its old
+    #   range released; the evictable blocks of the window are evicted as in any plan.
+    # Limitations: only when the plain plan fails, only for coop, and only while the runtime holds no raw view
+    #   of a resident storage (`may_relocate`). Copies count in the runtime's overhead as 2 x bytes.
+    def _relocation_plan(self, need: int, attempts: int = 8):
+        table = self.table
+        own = table.owners
+        k = len(self._slots) + 1
+        kind = self._kind[own]
+        movable = kind == BLOCKED
+        if self._fixed:
+            fixed_slots = [s.slot + 1 for s in self._slots if s is not None and s.sid in self._fixed]
+            movable &= ~np.isin(own, fixed_slots)
+        if not movable.any():
+            return None, ()
+        sizes = table.sizes
+        h = _policy.heuristic(self._c[:k], self._last[:k], self.clock)[own]
+        stale = self.clock - self._last[own] + 1.0
+        h[movable] = 2.0 * sizes[movable] / stale[movable]
+        h[(kind == BLOCKED) & ~movable] = 0.0
+        kind2 = kind.copy()
+        kind2[movable] = EVICTABLE
+        for _ in range(attempts):
+            plan = _policy.coop_window(table.offsets, sizes, kind2, h.copy(), need)
+            if plan is None:
+                return None, ()
+            result, stuck = self._destinations(plan, movable, kind, h)
+            if result is not None:
+                return result
+            movable[stuck] = False  # nowhere to put it: it stays, and the search runs again around it
+            kind2[stuck] = BLOCKED
+        return None, ()
+
+    def _destinations(self, plan, movable, kind, h):
+        """(plan without the moved blocks, moves), or (None, index of a block that has no destination)."""
+        table = self.table
+        own, sizes, offsets = table.owners, table.sizes, table.offsets
+        moved = sorted((i for i in plan.victims if movable[i]), key=lambda i: (-int(sizes[i]), i))
+        if not moved:
+            return (plan, ()), None
+        outside = (offsets + sizes <= plan.start) | (offsets >= plan.end)
+        holes = [[int(offsets[i]), int(sizes[i])] for i in np.nonzero(outside & (own == _FREE_OWNER))[0]]
+        spare = sorted(np.nonzero(outside & (kind == EVICTABLE))[0].tolist(), key=lambda i: (h[i], i))
+        extra, moves = [], []
+        for i in moved:
+            fit = [j for j, (_, size) in enumerate(holes) if size >= sizes[i]]
+            if not fit:  # make a hole: evict the cheapest evictable block outside the window that is big enough
+                b = next((b for b in spare if sizes[b] >= sizes[i]), None)
+                if b is None:
+                    return None, i
+                spare.remove(b)
+                extra.append(b)
+                holes.append([int(offsets[b]), int(sizes[b])])
+                fit = [len(holes) - 1]
+            j = min(fit, key=lambda j: (holes[j][1], holes[j][0]))
+            moves.append((self._slots[int(own[i]) - 1], holes[j][0]))
+            holes[j][0] += int(sizes[i])
+            holes[j][1] -= int(sizes[i])
+        evict = tuple(sorted([i for i in plan.victims if not movable[i]] + extra))
+        return (_policy.EvictionPlan(evict, plan.start, plan.end, plan.cost, plan.policy), tuple(moves)), None
+
+    def _relocate(self, moves) -> None:
+        """Every destination is taken before any old range is released; destinations lie outside the window and
+        sources inside it, so no copy overwrites bytes still to be copied."""
+        table = self.table
+        placed = []
+        for s, dest in moves:
+            placed.append((s, s.offset, table.place_at(dest, table.round_up(s.nbytes), s.slot + 1)))
+        for s, old, new in placed:
+            self.mover(old, new, s.nbytes)
+            table.release(old)
+            s.offset = new
+            self.stats.relocations += 1
+            self.stats.relocated_bytes += table.round_up(s.nbytes)
+            self.trace.add("move", s.sid, new, s.nbytes, self.clock)
+
+    def _apply(self, plan: _policy.EvictionPlan, need: int, search_seconds: float, moves=()) -> int:
+        """Relocate the planned blocks and evict the plan's victims; returns the offset of the free block that
+        now covers the plan's range."""
         table, st = self.table, self.stats
         off, sizes = table.offsets, table.sizes
         victims = [self._slots[int(table.owners[i]) - 1] for i in plan.victims]
@@ -262,9 +378,11 @@ class Memory:
         st.search_seconds_max = max(st.search_seconds_max, search_seconds)
         st.evictions += len(victims)
         st.evicted_bytes += evicted
-        for v in victims:
+        for v in victims:  # first: some relocation destinations are ranges of victims outside the window
             _internal_assert(v is not None and v.pins == 0 and v.evictable, f"{plan} picked an unevictable block")
             self._evict(v)
+        if moves:
+            self._relocate(moves)
         i = int(np.searchsorted(table.offsets, plan.start, side="right")) - 1
         o, size, owner = table.block(i)
         _internal_assert(owner == _FREE_OWNER and o + size >= plan.end and size >= need,

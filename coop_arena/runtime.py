@@ -18,7 +18,8 @@ Rules (from the design, cited in the code as "See Rule N"):
    recomputed from it: they are restored if needed and become unevictable ("frozen") before the write runs.
    With recomputable_inplace=False a write goes to a fresh copy instead (copy-on-write, the ablation).
 7. A request that cannot be met raises OutOfBudget; every pin taken for the op is released and outputs
-   already placed for it are freed, so the Budget stays usable.
+   already placed for it are freed, so the Budget stays usable. A replay that would start with recomputation
+   already past `max_overhead` times the cost of the ops run so far raises Thrashing at the same point.
 8. Decisions depend only on the program, budget and policy: costs are analytic (cost.py), not timed.
 
 Outputs are computed by the op into a temporary and copied into their arena range at once (the temporary is
@@ -39,7 +40,7 @@ import torch
 from . import ops
 from .arena import Arena
 from .cost import op_cost
-from .errors import BudgetUsageError, OutOfBudget, TensorLost, UnsupportedOp, _internal_assert
+from .errors import BudgetUsageError, OutOfBudget, TensorLost, Thrashing, UnsupportedOp, _internal_assert
 from .memory import Memory
 from .storage import State, Storage, add_consumer
 from .tensor import Cell, Tensor
@@ -188,8 +189,12 @@ class _Call:
 
 
 class Runtime:
-    def __init__(self, memory: Memory, arena: Arena, *, recomputable_inplace: bool = True):
+    def __init__(self, memory: Memory, arena: Arena, *, recomputable_inplace: bool = True,
+                 max_overhead: float | None = None):
         self.memory = memory
+        self.max_overhead = max_overhead
+        memory.mover = self._move_bytes
+        memory.may_relocate = True
         self.arena = arena
         self.device = arena.device
         self.recomputable_inplace = recomputable_inplace
@@ -224,6 +229,7 @@ class Runtime:
             pins = self._resident_and_pinned(call.inputs)
             for s in call.inputs:
                 self.memory.touch(s)
+            self.memory.may_relocate = False  # raw views of the inputs are live until the op has run
             plain, recorded = list(leaves), list(leaves)
             for i, x in enumerate(leaves):
                 if i in owner:
@@ -252,6 +258,7 @@ class Runtime:
                 return self._run_view(call)
             return self._run_functional(call)
         finally:
+            self.memory.may_relocate = True
             for s in pins:
                 self.memory.unpin(s)
             self._release_restored()
@@ -290,6 +297,7 @@ class Runtime:
             if written is None:  # first call of this op and configuration: look for writes the schema hides
                 probe = [(pos, t, t._version, t.clone()) for pos, t in externals]
         out, out_leaves, recipe = self._execute(call)
+        self.memory.may_relocate = True  # the op has run: its inputs' views are dead, they may move
         if probe is not None:
             written = _UNMARKED_WRITES[key] = frozenset(
                 pos for pos, t, v, before in probe if t._version != v or not torch.equal(t, before))
@@ -476,6 +484,9 @@ class Runtime:
                     needed[a.storage.sid] = a.storage
         pins = self._resident_and_pinned([needed[sid] for sid in sorted(needed)])
         try:
+            c = self.counters
+            if self.max_overhead is not None and c.recompute_cost > (self.max_overhead - 1.0) * c.compute_cost:
+                raise Thrashing(c.recompute_cost, c.compute_cost, self.max_overhead, str(d.recipe.func))
             self.memory.restore(s, pinned=True, op=str(d.recipe.func))
             pins.append(s)
             if not d.recipe.uninitialized:
@@ -534,6 +545,11 @@ class Runtime:
                 _internal_assert(s.state is State.RESIDENT, f"storage {s.sid} is {s.state.value} during a replay")
                 flat[i] = self.arena.view(s.offset, a.dtype, a.size, a.stride, a.offset)
         return ops.unflatten(flat, spec)
+
+    def _move_bytes(self, src: int, dst: int, nbytes: int) -> None:
+        """Copy a relocated storage's bytes (Note [Relocation] in memory.py); the ranges never overlap."""
+        if self.device.type != "meta":
+            self.arena.bytes(dst, nbytes).copy_(self.arena.bytes(src, nbytes))
 
     def _copy_into(self, s: Storage, o: torch.Tensor) -> None:
         if self.device.type == "meta":
@@ -668,7 +684,7 @@ class Runtime:
                 if s.state is State.EVICTED:
                     self.restore(s)
                 d.detached = self.arena.bytes(s.offset, s.nbytes).clone()
-            except (OutOfBudget, TensorLost) as e:
+            except (OutOfBudget, Thrashing, TensorLost) as e:
                 d.lost = f"storage {s.sid} was evicted when its Budget ended and could not be restored: {e}"
         for s in live:
             s.payload.runtime = None

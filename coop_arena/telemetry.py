@@ -22,6 +22,8 @@ class MemoryStats:
     search_seconds_max: float = 0.0
     fragmentation_sum: float = 0.0  # sum over eviction events of free bytes / budget before evicting
     peak_bytes: int = 0           # high-water mark of bytes held by resident storages (aligned)
+    relocations: int = 0          # blocks copied out of a window (Note [Relocation])
+    relocated_bytes: int = 0
 
     @property
     def fragmentation(self) -> float:
@@ -40,7 +42,7 @@ class MemoryStats:
 
 
 class Event(NamedTuple):
-    kind: str      # "alloc", "restore", "evict", "free", "out_of_budget"
+    kind: str      # "alloc", "restore", "evict", "free", "move", "out_of_budget"
     sid: int
     offset: int
     nbytes: int

@@ -1,0 +1,134 @@
+"""Relocation (Note [Relocation]): pinned or unevictable blocks that split the arena are copied out of the
+window instead of failing the request. Exact moves on a hand-built layout, then a real training step."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import coop_arena
+from coop_arena import Memory, OutOfBudget
+from coop_arena.plan import step
+from coop_arena.storage import State
+
+from test_memory import U, build
+from training import bitwise_equal
+
+
+def layout(**kw):
+    # a1 P1 b1 .1 Q1 c1 .1 with P and Q pinned: no run of 3 units is free of them. Moving a pinned unit costs
+    # 2 x 512 (a copy), evicting a, b or c 5000: the cheapest 3-unit windows cover one pinned unit and one
+    # evictable one; the first of them (lowest address) is P b .
+    m, s = build([("a", 1, 5000.0), ("p", 1, 1.0, {"pinned": True}), ("b", 1, 5000.0), (".", 1, 0.0),
+                  ("q", 1, 1.0, {"pinned": True}), ("c", 1, 5000.0), (".", 1, 0.0)], **kw)
+    moves = []
+    m.mover = lambda src, dst, n: moves.append((src // U, dst // U, n))
+    return m, s, moves
+
+
+def test_pinned_block_is_copied_out_of_the_window():
+    m, s, moves = layout()
+    assert m.plan(3 * U) is None  # no run of 3 units without a pinned block
+    new = m.allocate(3 * U, 5.0)
+    assert moves == [(1, 6, 512)]  # p goes to the hole outside the window p b .
+    assert s["p"].offset == 6 * U and s["p"].state is State.RESIDENT and s["p"].pins == 1
+    assert new.offset == 1 * U
+    assert {n: v.state.value for n, v in s.items()} == {"a": "resident", "p": "resident", "b": "evicted",
+                                                        "q": "resident", "c": "resident"}
+    assert m.stats.relocations == 1 and m.stats.relocated_bytes == U and m.stats.evictions == 1
+    assert [e.kind for e in m.trace.events][-3:] == ["evict", "move", "alloc"]
+    m.check_invariants()
+
+
+def test_no_destination_no_change():
+    m, s, moves = layout()
+    m.allocate(1 * U, 1.0, pinned=True)  # takes the hole at unit 3: the only hole left lies in every window
+    m.pin(s["a"])
+    m.pin(s["c"])  # and no evictable block outside a window could be evicted to make a destination
+    before = m.snapshot()
+    with pytest.raises(OutOfBudget):
+        m.allocate(3 * U, 5.0)
+    assert moves == [] and m.snapshot() == before  # Rule 7
+    m.check_invariants()
+
+
+def test_fixed_blocks_and_other_policies_never_move():
+    m, s, moves = layout()
+    m.fix(s["p"])
+    m.allocate(3 * U, 5.0)
+    assert moves == [(4, 6, 512)]  # p stays: the next window, b . Q, moves q instead
+    assert s["p"].offset == 1 * U
+    m.unfix(s["p"])
+    with pytest.raises(ValueError, match="not fixed"):
+        m.unfix(s["p"])
+    for kw in ({"policy": "dtr"}, {"relocate": False}):
+        m, s, moves = layout(**kw)
+        with pytest.raises(OutOfBudget):
+            m.allocate(3 * U, 5.0)
+        assert moves == []
+    with pytest.raises(ValueError, match="not pinned"):
+        m.fix(s["a"])
+
+
+class StackRNN(nn.Module):
+    """A recurrence whose per-step states are stacked at the end: the stack pins many small inputs spread
+    over the arena, which leaves no window without relocation."""
+
+    def __init__(self, h=32):
+        super().__init__()
+        self.w, self.u = nn.Linear(h, h), nn.Linear(h, h)
+        self.v, self.p = nn.Linear(h, 8 * h), nn.Linear(8 * h, h)
+
+    def forward(self, x):
+        h, hs = x.new_zeros(x.shape[1], x.shape[2]), []
+        for t in range(x.shape[0]):
+            h = self.p(torch.relu(self.v(torch.tanh(self.w(x[t]) + self.u(h)))))
+            hs.append(h)
+        return torch.stack(hs).sum(0)
+
+
+def _train(budget, steps=2):
+    torch.manual_seed(0)
+    model = StackRNN()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for i in range(steps):
+        x = torch.randn(48, 16, 32, generator=torch.Generator().manual_seed(i))
+        opt.zero_grad()
+        if budget is None:
+            model(x).pow(2).mean().backward()
+        else:
+            with budget:
+                model(x).pow(2).mean().backward()
+                budget.check_invariants()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def test_relocation_keeps_training_bitwise_exact():
+    probe = coop_arena.Budget(1 << 26, device="cpu")
+    _train(probe, steps=1)
+    nbytes = int(0.5 * probe.stats.peak_bytes)
+    with pytest.raises(OutOfBudget, match="aten.stack"):
+        _train(coop_arena.Budget(nbytes, device="cpu", relocate=False), steps=1)
+    budget = coop_arena.Budget(nbytes, device="cpu")
+    params = _train(budget)
+    st = budget.stats
+    assert st.relocations > 0 and st.rematerializations > 0 and st.peak_bytes <= nbytes
+    assert st.compute_overhead > 1.0
+    assert bitwise_equal(_train(None), params)
+
+
+def test_meta_dry_run_makes_the_same_moves():
+    runs = {}
+    for device in ("cpu", "meta"):
+        torch.manual_seed(0)
+        model = StackRNN().to(device)
+        x = torch.empty(48, 16, 32, device=device).normal_() if device == "cpu" else torch.empty(48, 16, 32,
+                                                                                               device="meta")
+        probe = coop_arena.Budget(1 << 26, device=device)
+        step(model, (x,), probe)
+        b = coop_arena.Budget(int(0.5 * probe.stats.peak_bytes), device=device)
+        step(model, (x,), b)
+        st = b.stats
+        runs[device] = (st.relocations, st.relocated_bytes, st.evictions, st.compute_overhead,
+                        [(e.kind, e.sid, e.offset) for e in b.trace])
+    assert runs["cpu"][0] > 0 and runs["cpu"] == runs["meta"]
