@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def main(argv=None) -> int:
@@ -13,14 +14,39 @@ def main(argv=None) -> int:
     demo.add_argument("--steps", type=int, default=4)
     demo.add_argument("--ratio", type=float, default=0.5, help="budget as a fraction of the plain peak")
     plan = sub.add_parser("plan", help="dry run on meta: does a training step fit a budget, at what overhead")
-    plan.add_argument("model", help="a name from coop_arena.examples (mlp, cnn, gpt, lstm) or module:function, "
-                                    "where function(batch) returns (model, example_inputs)")
-    plan.add_argument("--batch", type=int, default=8)
+    plan.add_argument("model", help="a suite model (resnet50, unet, gpt2, ...), an example (mlp, cnn, gpt, lstm) or "
+                                    "module:function, where function(batch) returns (model, example_inputs)")
+    plan.add_argument("--batch", type=int, default=None, help="default: the paper's batch size for a suite model, "
+                                                                "8 otherwise")
     plan.add_argument("--budget", default="0.5", help="bytes with a unit (8GiB, 512MiB) or a ratio of the plain peak")
+    ev = sub.add_parser("evaluate", help="sweep memory ratios for the model suite, every policy and ablation; "
+                                         "write results.json, summary.md and figures")
+    ev.add_argument("--models", nargs="+", default=None,
+                    help="models to sweep (default: the nine-model suite, or resnet50 and unet with --quick)")
+    ev.add_argument("--quick", action="store_true", help="coarse ratios (steps of 0.1, no refinement)")
+    ev.add_argument("--batch", type=int, default=None, help="override the batch size of every model")
+    ev.add_argument("--configs", nargs="+", default=None, help="policy configurations (default: all)")
+    ev.add_argument("--out", default="evaluation", help="folder for results.json, summary.md and the figures")
+    ev.add_argument("--jobs", type=int, default=1, help="worker processes, one model each at a time")
     args = parser.parse_args(argv)
+    if args.command == "evaluate":
+        from .evaluate import CONFIGS, QUICK, QUICK_MODELS, SUITE, Sweep, evaluate
+        if args.batch is not None and args.batch <= 0:
+            parser.error(f"--batch must be positive, got {args.batch}")
+        if args.jobs < 1:
+            parser.error(f"--jobs must be positive, got {args.jobs}")
+        try:
+            base = QUICK if args.quick else Sweep()
+            sweep = Sweep(base.step, base.refine, tuple(args.configs or CONFIGS))
+        except ValueError as e:
+            parser.error(str(e))
+        models = args.models or (list(QUICK_MODELS) if args.quick else list(SUITE))
+        command = "coop-arena " + " ".join(sys.argv[1:] if argv is None else argv)
+        evaluate(models, sweep, batch=args.batch, out=Path(args.out), command=command, jobs=args.jobs)
+        return 0
     if args.command == "plan":
         from .plan import plan as run_plan
-        if args.batch <= 0:
+        if args.batch is not None and args.batch <= 0:
             parser.error(f"--batch must be positive, got {args.batch}")
         try:
             run_plan(args.model, args.batch, args.budget)

@@ -33,32 +33,45 @@ def parse_budget(text: str) -> tuple[str, float]:
 
 
 def load(spec: str, batch: int):
-    """(model, inputs) from a name in coop_arena.examples or `module:function(batch)`, built on meta."""
-    if ":" in spec:
+    """(model, inputs) from a name in the suite, in coop_arena.examples or `module:function(batch)`, on meta."""
+    from . import examples, suite
+    if spec in suite.SUITE:
+        why = suite.available(spec)
+        if why:
+            raise ValueError(why)
+        model, inputs = suite.SUITE[spec].build(batch)
+    elif ":" in spec:
         mod, fn = spec.split(":", 1)
         factory = getattr(importlib.import_module(mod), fn)
         with torch.device("meta"):  # a large model is never materialized
             model, inputs = factory(batch)
     else:
-        from . import examples
         if spec not in examples.MODELS:
-            raise ValueError(f"unknown model {spec!r}: use one of {', '.join(examples.MODELS)} or module:function")
+            raise ValueError(f"unknown model {spec!r}: use one of {', '.join([*suite.SUITE, *examples.MODELS])} "
+                             f"or module:function")
         model, inputs = examples.example(spec, batch)
     return model.to("meta"), tuple(x.to("meta") for x in (inputs if isinstance(inputs, (tuple, list)) else (inputs,)))
 
 
 def step(model, inputs, budget: Budget) -> None:
-    with budget:
-        out = model(*inputs)
-        out = out[0] if isinstance(out, (tuple, list)) else out
-        out.float().sum().backward()
-    for p in model.parameters():
-        p.grad = None
+    """One training step of `model` on `inputs` under `budget` (loss: the sum of the first output)."""
+    try:
+        with budget:
+            out = model(*inputs)
+            out = out[0] if isinstance(out, (tuple, list)) else out
+            out.float().sum().backward()
+    finally:
+        for p in model.parameters():
+            p.grad = None
 
 
-def plan(spec: str, batch: int, budget_text: str, console: Console | None = None) -> dict:
+def plan(spec: str, batch: int | None, budget_text: str, console: Console | None = None) -> dict:
+    """Plain peak, lower bound, and per policy: fits?, overhead, evictions, fragmentation. `batch=None` takes
+    the suite's batch size for a suite model, 8 otherwise."""
+    from .suite import SUITE
     console = console or Console()
     kind, value = parse_budget(budget_text)
+    batch = batch or (SUITE[spec].batch if spec in SUITE else 8)
     model, inputs = load(spec, batch)
     probe = Budget(1 << 50, device="meta")
     step(model, inputs, probe)
