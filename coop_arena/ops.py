@@ -21,7 +21,7 @@ _EFFECTFUL_NAMESPACES = {"_c10d_functional", "c10d", "c10d_functional", "_dtenso
 
 @dataclass(frozen=True, slots=True)
 class OpInfo:
-    inplace_view: bool      # changes a tensor's metadata in place (unsqueeze_, set_): unsupported
+    inplace_view: bool      # changes a tensor's metadata in place (unsqueeze_, as_strided_)
     written: tuple          # (position, name, kwarg_only, alias sets) of arguments the schema marks written
     returns_alias: bool     # some output aliases an input (a view, or a written argument)
     random: bool            # draws from a generator (Rule 4)

@@ -211,8 +211,7 @@ class Runtime:
         self._drain_dead()
         op = ops.info(func)
         if op.inplace_view:
-            raise UnsupportedOp(func, "it changes a tensor's shape or storage in place; use the out-of-place "
-                                      "form (e.g. x = x.unsqueeze(0) instead of x.unsqueeze_(0))")
+            return self._run_inplace_view(func, args, kwargs)
         leaves, spec = ops.flatten(args, kwargs)
         call = _Call(func, op, args, kwargs, leaves, spec)
         pins = []
@@ -344,6 +343,16 @@ class Runtime:
 
     # ---------------------------------------------------------------------------------------------- views
     def _run_view(self, call: "_Call"):
+        if call.func is aten.as_strided.default and isinstance(call.args[0], Tensor):
+            # its storage offset counts from the start of the tensor's storage; the plain view's storage is the
+            # whole arena, so the offset moves by where the storage lies in it
+            t, plain = call.args[0], call.pargs[0]
+            rest = list(call.pargs[1:])
+            given = rest[2] if len(rest) > 2 else call.pkwargs.get("storage_offset")
+            shift = plain.storage_offset() - t.storage_offset()
+            offset = (t.storage_offset() if given is None else given) + shift
+            out = aten.as_strided.default(plain, rest[0], rest[1], offset)
+            return self._wrap_alias(out, call.inputs, call.func)
         out = call.func(*call.pargs, **call.pkwargs)
         if isinstance(out, torch.Tensor):
             return self._wrap_alias(out, call.inputs, call.func) if self.arena.owns(out) else out
@@ -355,6 +364,30 @@ class Runtime:
         rel = o.storage_offset() * o.element_size() - s.offset
         _internal_assert(rel % o.element_size() == 0, f"{func}: view offset {rel} not a multiple of its item size")
         return self._wrap(s, o.dtype, o.size(), o.stride(), rel // o.element_size())
+
+    def _run_inplace_view(self, func, args, kwargs):
+        """An op that changes a tensor's shape in place (unsqueeze_, as_strided_): the new metadata is computed
+        on a meta view of the same storage (which checks it stays inside), then set on the wrapper itself.
+        No bytes move and nothing is recorded: later ops read the wrapper's metadata when they run."""
+        t = args[0] if args else None
+        if not isinstance(t, Tensor):  # a tensor from before the Budget: its metadata is its owner's business
+            if isinstance(t, torch.Tensor) and self.arena.owns(t):
+                raise UnsupportedOp(func, "it changes in place the shape of a raw view of the arena")
+            with _plain_dispatch():
+                return func(*args, **kwargs)
+        if t._cell.storage.payload.runtime is not self:
+            raise UnsupportedOp(func, "it changes in place the shape of a tensor from another Budget block")
+        s = t._cell.storage
+        try:
+            with _plain_dispatch():
+                base = torch.empty(s.nbytes // t.element_size(), dtype=t.dtype, device="meta")
+                v = base.as_strided(t.size(), t.stride(), t.storage_offset())
+                func(v, *args[1:], **kwargs)
+        except RuntimeError as e:
+            raise UnsupportedOp(func, f"the new shape does not fit the tensor's storage: {e}") from e
+        with torch._C._DisableTorchDispatch():
+            torch.Tensor.as_strided_(t, v.size(), v.stride(), v.storage_offset())
+        return t
 
     # ---------------------------------------------------------------------------------------------- writes
     def _written(self, call: "_Call", args, kwargs):

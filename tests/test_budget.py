@@ -57,11 +57,28 @@ def test_nested_budget_is_refused_and_outer_stays_usable():
     assert torch.equal(z.as_plain(), x + 1)
 
 
-def test_inplace_view_op_is_unsupported():
-    with coop_arena.Budget(1 << 20, device="cpu"):
-        y = torch.randn(4) * 2
-        with pytest.raises(coop_arena.UnsupportedOp, match="unsqueeze_"):
-            y.unsqueeze_(0)
+def test_inplace_view_ops_change_the_wrapper_and_survive_eviction():
+    x = torch.randn(4, 6)
+    budget = coop_arena.Budget(1 << 20, device="cpu")
+    with budget:
+        y = x * 2
+        y.unsqueeze_(0)
+        assert y.shape == (1, 4, 6)
+        y.as_strided_((6, 4), (1, 6), 0)
+        s = y._cell.storage
+        budget.memory.evict(s)  # the next read rebuilds the bytes; the shape is the wrapper's own
+        z = y + 1
+        assert budget.stats.rematerializations == 1
+        with pytest.raises(coop_arena.UnsupportedOp, match="does not fit the tensor's storage"):
+            y.as_strided_((100,), (1,), 0)
+        w = z.as_strided((2, 3), (4, 1), 5)  # its offset counts from z's own storage, not the arena's
+        w1 = w * 1
+        w2 = w1.as_strided((3,), (1,))  # no offset given: the input's own
+        x.unsqueeze_(0)  # a tensor from before the block: changed as without a Budget
+        assert x.shape == (1, 4, 6)
+    assert torch.equal(z, (x[0] * 2).t() + 1)
+    assert torch.equal(w, z.as_plain().as_strided((2, 3), (4, 1), 5))  # after the block: plain copies
+    assert torch.equal(w2, w1.reshape(-1)[:3])
 
 
 def test_out_of_budget_names_everything_and_changes_nothing():
