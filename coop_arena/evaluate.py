@@ -42,7 +42,7 @@ from tqdm import tqdm
 from .budget import Budget
 from .errors import CoopArenaError
 from .plan import load, step
-from .suite import SUITE, available
+from .suite import SUITE, available, default_batch
 
 CONFIGS: dict[str, dict] = {
     "coop": dict(policy="coop"),
@@ -98,12 +98,10 @@ def run_once(model, inputs, nbytes: int, config: str) -> dict:
 
 def sweep_model(name: str, batch: int | None, sweep: Sweep, progress: tqdm | None = None) -> dict:
     """Every configuration's runs for one model (a suite name, an example name or module:function)."""
-    if name in SUITE:
-        why = available(name)
-        if why:
-            return {"model": name, "error": why}
-        batch = batch or SUITE[name].batch
-    batch = batch or 8
+    why = available(name) if name in SUITE else None
+    if why:
+        return {"model": name, "error": why}
+    batch = default_batch(name, batch)
     try:
         model, inputs = load(name, batch)
         probe = Budget(1 << 50, device="meta")
@@ -228,21 +226,28 @@ def evaluate(models, sweep: Sweep, batch: int | None = None, out: Path | None = 
 
 
 # ------------------------------------------------------------------------------------------------ reading results
-def overhead_at(model: dict, config: str, ratio: float) -> float | None:
-    """Compute overhead at exactly `ratio` (None when not run or not feasible there)."""
+def run_at(model: dict, config: str, ratio: float) -> dict | None:
+    """The run at exactly `ratio` (None when not run or not feasible there)."""
     for r in model["runs"][config]["runs"]:
         if math.isclose(r["ratio"], ratio, abs_tol=1e-9):
-            return r["compute_overhead"] if r["fits"] else None
+            return r if r["fits"] else None
     return None
 
 
-def _ok(model: dict) -> bool:
-    return "error" not in model
+def overhead_at(model: dict, config: str, ratio: float) -> float | None:
+    """Compute overhead at exactly `ratio` (None when not run or not feasible there)."""
+    r = run_at(model, config, ratio)
+    return None if r is None else r["compute_overhead"]
+
+
+def ran(results: dict) -> dict:
+    """The models whose sweep ran (not those reported with an error)."""
+    return {n: m for n, m in results["models"].items() if "error" not in m}
 
 
 def check_targets(results: dict) -> list[dict]:
     """The issue's targets, each met or missed, with the numbers that decide it."""
-    models = {n: m for n, m in results["models"].items() if _ok(m)}
+    models = ran(results)
     configs = results["sweep"]["configs"]
     out = []
     if "coop" not in configs or not models:
@@ -299,7 +304,7 @@ def _rows(results: dict):
               + [f"{c} @0.5" for c in shown] + [f"{c} @0.3" for c in shown])
     rows = []
     for n, m in results["models"].items():
-        if not _ok(m):
+        if "error" in m:
             rows.append([n, str(m.get("batch", "-")), "error: " + m["error"].splitlines()[0][:80]]
                         + [""] * (len(header) - 3))
             continue

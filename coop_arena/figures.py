@@ -16,6 +16,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from .evaluate import ran, run_at  # noqa: E402
+
 STYLE = {"coop": dict(color="C3", lw=2.2, marker="o"), "dtr": dict(color="C0", marker="s"),
          "dte": dict(color="C2", marker="^"), "coop-no-partition": dict(color="C1", ls="--", marker="."),
          "coop-no-window": dict(color="C4", ls="--", marker="."), "coop-no-inplace": dict(color="C5", ls=":",
@@ -23,12 +25,8 @@ STYLE = {"coop": dict(color="C3", lw=2.2, marker="o"), "dtr": dict(color="C0", m
          "coop-no-relocation": dict(color="C7", ls="-.", marker=".")}
 
 
-def _models(results: dict) -> dict:
-    return {n: m for n, m in results["models"].items() if "error" not in m}
-
-
 def overhead(results: dict, path: Path) -> Path:
-    models = _models(results)
+    models = ran(results)
     n = max(len(models), 1)
     cols = min(3, n)
     rows = math.ceil(n / cols)
@@ -58,22 +56,19 @@ def overhead(results: dict, path: Path) -> Path:
 
 def search_fragmentation(results: dict, path: Path, models=("resnet50", "unet"), ratios=(0.8, 0.6, 0.4),
                          policies=("coop", "dtr", "dte")) -> Path:
-    ok = _models(results)
+    ok = ran(results)
     chosen = [m for m in models if m in ok] or list(ok)[:2]
     fig, axes = plt.subplots(2, max(len(chosen), 1), figsize=(5.2 * max(len(chosen), 1), 6.4), squeeze=False)
     metrics = (("search_seconds_per_event", 1e6, "search latency per eviction (µs)"),
                ("fragmentation", 1.0, "fragmentation rate"))
     for col, name in enumerate(chosen):
-        runs = ok[name]["runs"]
-        present = [p for p in policies if p in runs]
+        present = [p for p in policies if p in ok[name]["runs"]]
         width = 0.8 / max(len(present), 1)
         for row, (key, scale, label) in enumerate(metrics):
             ax = axes[row][col]
             for k, p in enumerate(present):
-                vals = []
-                for ratio in ratios:
-                    hit = [r for r in runs[p]["runs"] if math.isclose(r["ratio"], ratio, abs_tol=1e-9) and r["fits"]]
-                    vals.append(hit[0][key] * scale if hit else 0.0)
+                hits = [run_at(ok[name], p, ratio) for ratio in ratios]
+                vals = [0.0 if r is None else r[key] * scale for r in hits]
                 xs = [i + (k - (len(present) - 1) / 2) * width for i in range(len(ratios))]
                 ax.bar(xs, vals, width, label=p, color=STYLE.get(p, {}).get("color"))
             ax.set_xticks(range(len(ratios)), [f"{r:g}" for r in ratios])

@@ -304,7 +304,6 @@ class Memory:
         h = _policy.heuristic(self._c[:k], self._last[:k], self.clock)[own]
         stale = self.clock - self._last[own] + 1.0
         h[movable] = 2.0 * sizes[movable] / stale[movable]
-        h[(kind == BLOCKED) & ~movable] = 0.0
         kind2 = kind.copy()
         kind2[movable] = EVICTABLE
         for _ in range(attempts):

@@ -68,10 +68,10 @@ def step(model, inputs, budget: Budget) -> None:
 def plan(spec: str, batch: int | None, budget_text: str, console: Console | None = None) -> dict:
     """Plain peak, lower bound, and per policy: fits?, overhead, evictions, fragmentation. `batch=None` takes
     the suite's batch size for a suite model, 8 otherwise."""
-    from .suite import SUITE
+    from .suite import default_batch
     console = console or Console()
     kind, value = parse_budget(budget_text)
-    batch = batch or (SUITE[spec].batch if spec in SUITE else 8)
+    batch = default_batch(spec, batch)
     model, inputs = load(spec, batch)
     probe = Budget(1 << 50, device="meta")
     step(model, inputs, probe)

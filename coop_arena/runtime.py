@@ -193,7 +193,7 @@ class Runtime:
                  max_overhead: float | None = None):
         self.memory = memory
         self.max_overhead = max_overhead
-        memory.mover = self._move_bytes
+        memory.mover = self._copy_bytes
         memory.may_relocate = True
         self.arena = arena
         self.device = arena.device
@@ -474,7 +474,7 @@ class Runtime:
         cost = float(old.nbytes) * 2
         new = self.memory.allocate(old.nbytes, cost, inputs=(old,), pinned=True, op=str(func))
         try:
-            self.arena.bytes(new.offset, old.nbytes).copy_(self.arena.bytes(old.offset, old.nbytes))
+            self._copy_bytes(old.offset, new.offset, old.nbytes)
         finally:
             self.memory.unpin(new)
         self._account(cost)
@@ -579,8 +579,9 @@ class Runtime:
                 flat[i] = self.arena.view(s.offset, a.dtype, a.size, a.stride, a.offset)
         return ops.unflatten(flat, spec)
 
-    def _move_bytes(self, src: int, dst: int, nbytes: int) -> None:
-        """Copy a relocated storage's bytes (Note [Relocation] in memory.py); the ranges never overlap."""
+    def _copy_bytes(self, src: int, dst: int, nbytes: int) -> None:
+        """Copy a storage's bytes between two arena ranges that do not overlap (copy-on-write, Note
+        [Relocation] in memory.py)."""
         if self.device.type != "meta":
             self.arena.bytes(dst, nbytes).copy_(self.arena.bytes(src, nbytes))
 

@@ -144,6 +144,11 @@ SUITE: dict[str, Workload] = {
 }
 
 
+def default_batch(name: str, batch: int | None = None) -> int:
+    """`batch` if given, else the paper's batch size for a suite model, else 8."""
+    return batch or (SUITE[name].batch if name in SUITE else 8)
+
+
 def available(name: str) -> str | None:
     """None when the workload can be built here, else why not."""
     needs = SUITE[name].needs
