@@ -23,7 +23,8 @@ from .arena import Arena, resolve_device
 from .errors import BudgetUsageError, _internal_assert
 from .memory import Memory
 from .policy import POLICIES
-from .runtime import Runtime, _plain_dispatch, raise_recursion_limit
+from .recipe import plain_dispatch
+from .runtime import Runtime, raise_recursion_limit
 from .tensor import Tensor
 
 _active = threading.local()
@@ -52,6 +53,8 @@ class BudgetStats:
     lower_bound: int           # largest single-op working set (inputs and outputs) plus unevictable bytes
     relocations: int = 0       # blocks copied out of a window instead of evicted (coop)
     relocated_bytes: int = 0   # their bytes; each costs a read and a write in compute_overhead
+    exit_rematerializations: int = 0  # replays at block exit, to copy out what the user still holds
+    dropped: int = 0           # storages given up at exit after an error (TensorLost on use)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -93,6 +96,7 @@ class Budget:
         self._runtime: Runtime | None = None
         self._mode: _Mode | None = None
         self._stats: BudgetStats | None = None
+        self._trace: list = []
 
     def __repr__(self) -> str:
         return f"Budget({self.memory.budget} bytes, device={self.device}, policy={self.policy!r})"
@@ -120,9 +124,10 @@ class Budget:
             _active.budget = None
             rt, self._mode = self._runtime, None
             try:
-                rt.finish()
+                rt.finish(failed=exc_type is not None)
             finally:
                 self._stats = self._collect(rt)
+                self._trace = list(self.memory.trace.events)
                 self.memory.reset()
                 self._runtime = None
         return False
@@ -138,7 +143,8 @@ class Budget:
             search_seconds=m.search_seconds, search_seconds_per_event=m.search_seconds_per_event,
             fragmentation=m.fragmentation, unevictable_bytes=c.unevictable_peak, frozen=c.frozen,
             lower_bound=c.working_set_peak + c.unevictable_peak, relocations=m.relocations,
-            relocated_bytes=m.relocated_bytes)
+            relocated_bytes=m.relocated_bytes, exit_rematerializations=c.exit_rematerializations,
+            dropped=c.dropped)
 
     # ----------------------------------------------------------------------------------------- observability
     @property
@@ -151,8 +157,10 @@ class Budget:
         return self.memory.snapshot()
 
     @property
-    def trace(self):
-        return self.memory.trace.events
+    def trace(self) -> list:
+        """The memory events (alloc, evict, restore, free, move) of the block in progress or of the most recent
+        one, oldest first, at most `trace_len` of them."""
+        return list(self.memory.trace.events) if self._runtime is not None else self._trace
 
     def check_invariants(self) -> None:
         self.memory.check_invariants()
@@ -170,9 +178,8 @@ def pinned(t: Tensor, *, readonly: bool = False):
     if rt is None:
         yield t.as_plain()
         return
-    with _plain_dispatch():
-        rt._make_resident(s)
-        rt.memory.pin(s)
+    with plain_dispatch():
+        rt.remat.acquire([s], "coop_arena.pinned")
         rt.memory.fix(s)  # the raw view must stay valid: never relocated either
         raw = rt.arena.view(s.offset, t.dtype, t.size(), t.stride(), t.storage_offset())
     try:
@@ -181,6 +188,6 @@ def pinned(t: Tensor, *, readonly: bool = False):
         rt.memory.unfix(s)
         rt.memory.unpin(s)
         if not readonly and s.payload.runtime is rt:
-            with _plain_dispatch():
-                rt._freeze_readers(s)
-                rt._make_unevictable(s)
+            with plain_dispatch():
+                rt.remat.freeze_readers(s)
+                rt.remat.make_unevictable(s)

@@ -132,7 +132,6 @@ class Memory:
         self._c[s.slot + 1] = neighbourhood_cost(s)  # _place counted its own class, which it has just left
         self.stats.restores += 1
         self.trace.add("restore", s.sid, s.offset, s.nbytes, self.clock)
-        self._refresh_neighbours(s)
         return s.offset
 
     def evict(self, s: Storage) -> None:
@@ -157,7 +156,6 @@ class Memory:
         s.state = State.FREED
         if was is State.EVICTED:
             self._leave_class(s)
-            self._refresh_neighbours(s)
         self.trace.add("free", s.sid, -1, s.nbytes, self.clock)
 
     def pin(self, s: Storage) -> None:
@@ -408,30 +406,42 @@ class Memory:
         self._release(s)
         s.state = State.EVICTED
         if s.uf_parent is None:
-            s.uf_parent, s.uf_cost = s, s.cost
+            s.uf_parent, s.uf_cost, s.uf_border = s, s.cost, {}
         else:  # evicted before: it rejoins its old class (see _leave_class)
             root = uf_find(s)
             root.uf_cost += s.cost
+        resident = []
         for nb in s.neighbours():
             if nb.state is State.EVICTED and nb.uf_parent is not None:
                 uf_union(s, nb)
+            elif nb.state is State.RESIDENT:
+                resident.append(nb)
+        root = uf_find(s)
+        for nb in resident:
+            root.uf_border[nb.sid] = nb
         self.trace.add("evict", s.sid, -1, s.nbytes, self.clock)
-        self._refresh_neighbours(s)
+        self._refresh_class(root)
 
-    @staticmethod
-    def _leave_class(s: Storage) -> None:
+    def _leave_class(self, s: Storage) -> None:
         """A storage that comes back (restore) or goes for good (free of an evicted one) takes its cost out of
         its evicted class. Union-find cannot split a class (DTR's approximation), so its node stays in the tree
         as a link: the other members still reach their root through it, and class membership counts only
-        storages whose state is EVICTED."""
+        storages whose state is EVICTED. A restored storage joins the class's border."""
         if s.uf_parent is not None:
             root = uf_find(s)
             root.uf_cost = max(0.0, root.uf_cost - s.cost)
+            if s.state is State.RESIDENT:
+                root.uf_border[s.sid] = s
+            self._refresh_class(root)
 
-    def _refresh_neighbours(self, s: Storage) -> None:
-        for nb in s.neighbours():
-            if nb.state is State.RESIDENT:
-                self._c[nb.slot + 1] = neighbourhood_cost(nb)
+    def _refresh_class(self, root: Storage) -> None:
+        """Every resident storage next to a member of `root`'s class gets its neighbourhood cost again."""
+        border = root.uf_border
+        for sid, b in list(border.items()):
+            if b.state is State.RESIDENT:
+                self._c[b.slot + 1] = neighbourhood_cost(b)
+            else:
+                del border[sid]
 
     # ----------------------------------------------------------------------------------------- observability
     def snapshot(self) -> list[dict]:

@@ -3,7 +3,9 @@
 A record holds state only; decisions live in `policy.py`, mutation in `memory.py`. Each field names its only
 writer. The compute graph between storages (`inputs` strong, `consumers` weak) serves the recompute-cost
 estimate: DTR's equivalence classes of evicted storages, kept with union-find, so that evicting a storage next
-to already-evicted ones is charged their cost too (a recompute would have to redo them).
+to already-evicted ones is charged their cost too (a recompute would have to redo them). Each class root also
+keeps its border (the resident storages next to a member), so that every cost that counts the class is refreshed
+whenever the class changes (DTR's e*, kept true rather than refreshed only when a direct neighbour changes).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class Storage:
     uf_parent: "Storage | None" = None  # union-find parent once evicted (a root points to itself; kept as a link
                                         # after restore or free, see Memory._leave_class); Memory only
     uf_cost: float = 0.0                # at a root: total cost of its class; Memory only
+    uf_border: dict | None = None       # at a root: sid -> storage of resident storages next to a member (a
+                                        # superset: entries that left residency are dropped when read); Memory only
     payload: object = None        # the runtime's data (recipe, views); the runtime only
 
     def neighbours(self):
@@ -60,6 +64,11 @@ def uf_union(a: Storage, b: Storage) -> None:
             ra, rb = rb, ra
         rb.uf_parent = ra
         ra.uf_cost += rb.uf_cost
+        big, small = ra.uf_border, rb.uf_border
+        if len(big) < len(small):
+            big, small = small, big
+        big.update(small)
+        ra.uf_border, rb.uf_border = big, None
 
 
 def neighbourhood_cost(s: Storage) -> float:

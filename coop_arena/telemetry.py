@@ -41,6 +41,26 @@ class MemoryStats:
         return d
 
 
+@dataclass(slots=True)
+class RuntimeCounters:
+    """Counters of one block's runtime (the Memory keeps its own). Written by the runtime's parts only."""
+
+    ops: int = 0
+    compute_cost: float = 0.0       # cost of every op as the program ran it
+    recompute_cost: float = 0.0     # cost of every replay
+    rematerializations: int = 0     # storages restored by replaying their recipes
+    exit_rematerializations: int = 0  # of those, replays at block exit to copy out what the user still holds
+    unevictable_bytes: int = 0      # now: resident bytes that may not be evicted (not counting pins)
+    unevictable_peak: int = 0
+    working_set_peak: int = 0       # largest bytes one op held at once: its inputs and its outputs
+    frozen: int = 0                 # storages made unevictable by a later write to what they read
+    dropped: int = 0                # storages given up at exit after an error (TensorLost on use)
+
+    def count_unevictable(self, nbytes: int, sign: int) -> None:
+        self.unevictable_bytes += sign * nbytes
+        self.unevictable_peak = max(self.unevictable_peak, self.unevictable_bytes)
+
+
 class Event(NamedTuple):
     kind: str      # "alloc", "restore", "evict", "free", "move", "out_of_budget"
     sid: int

@@ -1,0 +1,386 @@
+"""Dispatch: what a Budget does with each op: unwrap, make inputs resident, run, place outputs, wrap, record.
+
+One generic path (functional ops) plus three special ones read off the op's schema (ops.py): views, writes
+(in-place and out= ops) and in-place metadata changes.
+
+Rules enforced here (see ../shared DESIGN numbering):
+1. Tensors that existed before the block (plain tensors, or coop tensors from an earlier block) are read, never
+   moved, evicted or counted.
+5. An op with effects outside its outputs is never recomputed; its outputs are unevictable. A write into a tensor
+   outside the arena is such an effect. An op that wrote an external tensor its schema does not mark (BatchNorm's
+   running statistics) is recorded with that argument set to None when the schema allows it (the update happens
+   once, in the original step), else its outputs are unevictable.
+6. An in-place op keeps the tensor's address; the storage's recipe becomes its producer followed by every write
+   since (recomputable in-place). Readers of the old value are frozen first (remat.py). With
+   recomputable_inplace=False a write goes to a fresh copy instead (copy-on-write, the ablation).
+7. A request that cannot be met raises OutOfBudget; every pin taken for the op is released and outputs already
+   placed for it are freed, so the Budget stays usable.
+8. Decisions depend only on the program, budget and policy: costs are analytic (cost.py), not timed.
+
+Outputs are computed by the op into a temporary and copied into their arena range at once (the temporary is then
+dropped); ops whose output is uninitialized memory (the empty family) are recorded as such and replay as nothing.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import torch
+
+from . import ops
+from .cost import op_cost
+from .errors import BudgetUsageError, UnsupportedOp, _internal_assert
+from .recipe import ArgRef, Data, Recipe, capture_rng, dead_ref, plain_dispatch
+from .remat import contiguous_strides
+from .storage import Storage, add_consumer
+from .tensor import Tensor
+
+aten = torch.ops.aten
+
+# (op, its non-tensor arguments) -> positions of external tensor arguments it writes although its schema does
+# not say so (native_batch_norm's running statistics). Found by comparing the arguments around the first call.
+_UNMARKED_WRITES: dict = {}
+
+
+class _Call:
+    """One op call in progress: its arguments as given, as plain tensors, and as recorded for a recipe."""
+
+    __slots__ = ("func", "op", "args", "kwargs", "leaves", "spec", "inputs", "plain", "recorded", "pargs", "pkwargs")
+
+    def __init__(self, func, op, args, kwargs, leaves, spec):
+        self.func, self.op, self.args, self.kwargs, self.leaves, self.spec = func, op, args, kwargs, leaves, spec
+        self.inputs: list[Storage] = []
+
+
+def _span_bytes(size, stride, offset: int, itemsize: int) -> int:
+    if any(n == 0 for n in size):
+        return 0
+    return (offset + 1 + sum((n - 1) * st for n, st in zip(size, stride))) * itemsize
+
+
+class Dispatch:
+    def __init__(self, runtime, *, recomputable_inplace: bool):
+        self.runtime = runtime
+        self.memory = runtime.memory
+        self.arena = runtime.arena
+        self.device = runtime.arena.device
+        self.counters = runtime.counters
+        self.remat = runtime.remat
+        self.lifetime = runtime.lifetime
+        self.recomputable_inplace = recomputable_inplace
+        self._ext_readers: dict[int, list] = {}     # external storage key -> weakrefs of storages reading it
+
+    # ============================================================================================ dispatch
+    def run(self, func, args, kwargs):
+        lifetime, memory = self.lifetime, self.memory
+        if lifetime.dead:
+            lifetime.drain()
+        op = ops.info(func)
+        if op.inplace_view:
+            return self._run_inplace_view(func, args, kwargs)
+        leaves, spec = ops.flatten(args, kwargs)
+        call = _Call(func, op, args, kwargs, leaves, spec)
+        pins = []
+        try:
+            owner = {}  # leaf index -> the storage it reads (a wrapper, or a raw view from as_plain/pinned)
+            for i, x in enumerate(leaves):
+                if isinstance(x, Tensor):
+                    if x._cell.storage.payload.runtime is self.runtime:
+                        owner[i] = x._cell.storage
+                elif isinstance(x, torch.Tensor) and self.arena.owns(x):
+                    owner[i] = self._storage_at(x, func)
+            mine = {s.sid: s for s in owner.values()}
+            call.inputs = [mine[sid] for sid in sorted(mine)]  # program order
+            pins = self.remat.acquire(call.inputs, str(func))
+            for s in call.inputs:
+                memory.touch(s)
+            memory.may_relocate = False  # raw views of the inputs are live until the op has run
+            plain, recorded = list(leaves), list(leaves)
+            for i, x in enumerate(leaves):
+                if i in owner:
+                    s = owner[i]
+                    offset = x.storage_offset()
+                    if not isinstance(x, Tensor):  # a raw view: its offset counts from the arena's start
+                        offset -= s.offset // x.element_size()
+                    size, stride = tuple(x.size()), tuple(x.stride())
+                    plain[i] = self.arena.view(s.offset, x.dtype, size, stride, offset)
+                    recorded[i] = ArgRef(s, s.payload.version, x.dtype, size, stride, offset)
+                elif isinstance(x, torch.Tensor):  # See Rule 1: read, never moved
+                    p = x.as_plain() if isinstance(x, Tensor) else x
+                    if p.device != self.device and p.dim() > 0:
+                        raise BudgetUsageError(
+                            f"{func} got a tensor on {p.device}, but this Budget's arena is on {self.device}; "
+                            f"move the model and its inputs to {self.device} before entering the Budget")
+                    plain[i] = recorded[i] = p
+                    lifetime.watch_leaf(x)
+            call.plain, call.recorded = plain, recorded
+            call.pargs, call.pkwargs = ops.unflatten(plain, spec)
+            if op.written:
+                return self._run_write(call)
+            if op.returns_alias:
+                return self._run_view(call)
+            return self._run_functional(call)
+        finally:
+            memory.may_relocate = True
+            self.remat.release(pins)
+            if lifetime.dead:
+                lifetime.drain()
+
+    def _execute(self, call: _Call):
+        """Run the op on plain tensors; returns (outputs, output leaves, recipe)."""
+        rng = capture_rng(self.device, call.op.random, call.pkwargs)
+        out = call.func(*call.pargs, **call.pkwargs)
+        out_leaves = list(out) if isinstance(out, (tuple, list)) else [out]
+        cost = op_cost(call.op.flops, call.pargs, call.pkwargs, call.plain, out_leaves, out)
+        self._account(cost)
+        rargs, rkwargs = ops.unflatten(call.recorded, call.spec)
+        recipe = Recipe.make(call.func, rargs, rkwargs, rng, cost, uninitialized=call.op.uninitialized,
+                             grad_mode=torch.is_grad_enabled())
+        return out, out_leaves, recipe
+
+    def _account(self, cost: float) -> None:
+        self.counters.ops += 1
+        self.counters.compute_cost += cost
+        self.memory.advance(cost)
+
+    # ---------------------------------------------------------------------------------------- functional
+    def _run_functional(self, call: _Call):
+        func, op = call.func, call.op
+        externals = [(pos, t) for pos, name, _ in op.tensor_args
+                     if isinstance(t := ops.arg(call.pargs, call.pkwargs, pos, name, False), torch.Tensor)
+                     and not self.arena.owns(t)]
+        key, probe, written = None, None, ()
+        if externals and self.device.type != "meta":
+            key = (func, repr([a for a in call.plain if not isinstance(a, torch.Tensor)]))
+            written = _UNMARKED_WRITES.get(key)
+            if written is None:  # first call of this op and configuration: look for writes the schema hides
+                probe = [(pos, t, t._version, t.clone()) for pos, t in externals]
+        out, out_leaves, recipe = self._execute(call)
+        self.memory.may_relocate = True  # the op has run: its inputs' views are dead, they may move
+        if probe is not None:
+            written = _UNMARKED_WRITES[key] = frozenset(
+                pos for pos, t, v, before in probe if t._version != v or not torch.equal(t, before))
+        evictable = not op.effectful
+        for pos, t in externals:  # See Rule 5: writes into external tensors the schema does not mark
+            if pos in written:
+                self._freeze_readers_of_external(t)
+                optional = any(p == pos and opt for p, _, opt in op.tensor_args)
+                if optional and pos < len(recipe.args):
+                    recipe.without_arg(pos)
+                else:
+                    evictable = False
+        placed = []
+        try:
+            for j, o in enumerate(out_leaves):
+                if isinstance(o, torch.Tensor) and o.device == self.device and o.numel() > 0:
+                    out_leaves[j] = self._place_output(o, recipe, j, call.inputs, evictable, func, placed)
+        except BaseException:
+            for s in placed:
+                self.memory.unpin(s)
+                self.lifetime.forget(s)
+            raise
+        for s in placed:
+            self.memory.unpin(s)
+        table = self.memory.table
+        ws = sum(table.round_up(s.nbytes) for s in call.inputs) + sum(table.round_up(s.nbytes) for s in placed)
+        self.counters.working_set_peak = max(self.counters.working_set_peak, ws)
+        self._note_external_reads(call.recorded, placed)
+        return tuple(out_leaves) if isinstance(out, tuple) else (out_leaves if isinstance(out, list) else out_leaves[0])
+
+    def _place_output(self, o, recipe, index, inputs, evictable, func, placed):
+        size, stride = tuple(o.size()), tuple(o.stride())
+        if not ops.dense(size, stride):
+            stride = contiguous_strides(size)
+        nbytes = _span_bytes(size, stride, 0, o.element_size())
+        s = self.memory.allocate(nbytes, recipe.cost, evictable=evictable, inputs=inputs, pinned=True, op=str(func))
+        placed.append(s)
+        s.payload = Data(self.runtime, dead_ref, recipe if evictable else None, index)
+        if not evictable:
+            self.counters.count_unevictable(self.memory.table.round_up(s.nbytes), +1)
+        if self.device.type != "meta":
+            self.arena.view(s.offset, o.dtype, size, stride, 0).copy_(o)
+        return self.lifetime.wrap(s, o.dtype, size, stride, 0)
+
+    # ---------------------------------------------------------------------------------------------- views
+    def _run_view(self, call: _Call):
+        if call.func is aten.as_strided.default and isinstance(call.args[0], Tensor):
+            # its storage offset counts from the start of the tensor's storage; the plain view's storage is the
+            # whole arena, so the offset moves by where the storage lies in it
+            t, plain = call.args[0], call.pargs[0]
+            rest = list(call.pargs[1:])
+            given = rest[2] if len(rest) > 2 else call.pkwargs.get("storage_offset")
+            shift = plain.storage_offset() - t.storage_offset()
+            offset = (t.storage_offset() if given is None else given) + shift
+            out = aten.as_strided.default(plain, rest[0], rest[1], offset)
+            return self._wrap_alias(out, call.inputs, call.func)
+        out = call.func(*call.pargs, **call.pkwargs)
+        if isinstance(out, torch.Tensor):
+            return self._wrap_alias(out, call.inputs, call.func) if self.arena.owns(out) else out
+        return type(out)(self._wrap_alias(o, call.inputs, call.func)
+                         if isinstance(o, torch.Tensor) and self.arena.owns(o) else o for o in out)
+
+    def _wrap_alias(self, o, inputs, func):
+        s = self._input_holding(o, inputs, func, "returned a view of")
+        rel = o.storage_offset() * o.element_size() - s.offset
+        _internal_assert(rel % o.element_size() == 0, f"{func}: view offset {rel} not a multiple of its item size")
+        return self.lifetime.wrap(s, o.dtype, o.size(), o.stride(), rel // o.element_size())
+
+    def _run_inplace_view(self, func, args, kwargs):
+        """An op that changes a tensor's shape in place (unsqueeze_, as_strided_): the new metadata is computed
+        on a meta view of the same storage (which checks it stays inside), then set on the wrapper itself.
+        No bytes move and nothing is recorded: later ops read the wrapper's metadata when they run."""
+        t = args[0] if args else None
+        if not isinstance(t, Tensor):  # a tensor from before the Budget: its metadata is its owner's business
+            if isinstance(t, torch.Tensor) and self.arena.owns(t):
+                raise UnsupportedOp(func, "it changes in place the shape of a raw view of the arena")
+            with plain_dispatch():
+                return func(*args, **kwargs)
+        if t._cell.storage.payload.runtime is not self.runtime:
+            raise UnsupportedOp(func, "it changes in place the shape of a tensor from another Budget block")
+        s = t._cell.storage
+        try:
+            with plain_dispatch():
+                base = torch.empty(s.nbytes // t.element_size(), dtype=t.dtype, device="meta")
+                v = base.as_strided(t.size(), t.stride(), t.storage_offset())
+                func(v, *args[1:], **kwargs)
+        except RuntimeError as e:
+            raise UnsupportedOp(func, f"the new shape does not fit the tensor's storage: {e}") from e
+        with torch._C._DisableTorchDispatch():
+            torch.Tensor.as_strided_(t, v.size(), v.stride(), v.storage_offset())
+        return t
+
+    # ---------------------------------------------------------------------------------------------- writes
+    def _written(self, call: _Call, args, kwargs):
+        """(alias sets, value) of each argument the schema marks written, from `args`/`kwargs`."""
+        return [(sets, ops.arg(args, kwargs, pos, name, kw_only)) for pos, name, kw_only, sets in call.op.written]
+
+    def _run_write(self, call: _Call):
+        func = call.func
+        targets = []  # arena storages written
+        for _, value in self._written(call, call.pargs, call.pkwargs):
+            for v in (value if isinstance(value, (list, tuple)) else [value]):
+                if v is None:
+                    continue
+                if self.arena.owns(v):
+                    s = self._input_holding(v, call.inputs, func, "writes")
+                    if not any(s is t for t in targets):
+                        targets.append(s)
+                else:  # See Rule 5: a write outside the arena is an effect; what read the old value is frozen
+                    self._freeze_readers_of_external(v)
+        if not self.recomputable_inplace and targets:
+            return self._run_write_cow(call, targets)
+        for s in targets:  # See Rule 6
+            self.remat.freeze_readers(s)
+        out, _, recipe = self._execute(call)
+        for s in targets:
+            if len(targets) == 1 and s.payload.recipe is not None:
+                s.payload.mutations.append(recipe)
+                for b in call.inputs:
+                    if b is not s:
+                        add_consumer(b, s)
+            else:  # a write to several storages at once cannot be replayed into one: keep them
+                self.remat.make_unevictable(s)
+        self._note_external_reads(call.recorded, targets)
+        return self._results_of_write(call, out, call.inputs)
+
+    def _results_of_write(self, call: _Call, out, inputs):
+        """An output aliasing a written argument is that argument's original object (autograd expects `self`)."""
+        written = {}
+        for sets, v in self._written(call, call.args, call.kwargs):
+            for name in sets:
+                written[name] = v
+        returns = call.func._schema.returns
+        if not returns:
+            return out
+        outs = out if len(returns) > 1 else (out,)
+        res = []
+        for r, o in zip(returns, outs):
+            alias = r.alias_info
+            if alias is not None and alias.is_write and any(n in written for n in alias.before_set):
+                res.append(written[next(n for n in alias.before_set if n in written)])
+            elif isinstance(o, torch.Tensor) and self.arena.owns(o):
+                res.append(self._wrap_alias(o, inputs, call.func))
+            elif isinstance(o, torch.Tensor) and o.device == self.device and o.numel() > 0:
+                raise UnsupportedOp(call.func, "it writes its arguments and also returns a fresh tensor")
+            else:
+                res.append(o)
+        return tuple(res) if len(returns) > 1 else res[0]
+
+    def _run_write_cow(self, call: _Call, targets):
+        """Copy-on-write (the ablation of Rule 6): the written storage is copied to a fresh one, the write goes
+        there, and every wrapper of the old storage moves to the new one; the old value keeps its recipe."""
+        if len(targets) > 1:
+            raise UnsupportedOp(call.func, "copy-on-write of a write to several storages")
+        old = targets[0]
+        new = self._clone_storage(old, call.func)
+        for i, a in enumerate(call.recorded):  # the op now reads and writes the copy
+            if isinstance(a, ArgRef) and a.storage is old:
+                call.recorded[i] = ArgRef(new, 0, a.dtype, a.size, a.stride, a.offset)
+                call.plain[i] = self.arena.view(new.offset, a.dtype, a.size, a.stride, a.offset)
+        call.pargs, call.pkwargs = ops.unflatten(call.plain, call.spec)
+        self.memory.pin(new)
+        try:
+            out, _, recipe = self._execute(call)
+        finally:
+            self.memory.unpin(new)
+        new.payload.mutations.append(recipe)
+        for b in call.inputs:
+            if b is not old:
+                add_consumer(b, new)
+        self._note_external_reads(call.recorded, [new])
+        return self._results_of_write(call, out, [new])
+
+    def _clone_storage(self, old: Storage, func) -> Storage:
+        cost = float(old.nbytes) * 2
+        new = self.memory.allocate(old.nbytes, cost, inputs=(old,), pinned=True, op=str(func))
+        try:
+            self.runtime.copy_bytes(old.offset, new.offset, old.nbytes)
+        finally:
+            self.memory.unpin(new)
+        self._account(cost)
+        ref = ArgRef(old, old.payload.version, torch.uint8, (old.nbytes,), (1,), 0)
+        recipe = Recipe.make(aten.clone.default, (ref,), {}, None, cost)
+        cell = old.payload.cell(old)
+        new.payload = Data(self.runtime, weakref.ref(cell), recipe, 0, wrappers=old.payload.wrappers)
+        cell.storage = new
+        if old.sid in self.lifetime.live:
+            self.lifetime.live[new.sid] = new
+        self.lifetime.orphan(old)
+        return new
+
+    # ------------------------------------------------------------------------------------ external writes
+    def _freeze_readers_of_external(self, t: torch.Tensor) -> None:
+        for ref in self._ext_readers.pop(t.untyped_storage()._cdata, ()):
+            d = ref()
+            if d is not None:
+                self.remat.freeze(d)
+
+    def _note_external_reads(self, recorded: list, storages) -> None:
+        if not storages:
+            return
+        for a in recorded:
+            if isinstance(a, torch.Tensor):
+                lst = self._ext_readers.setdefault(a.untyped_storage()._cdata, [])
+                lst.extend(weakref.ref(s) for s in storages)
+
+    # ------------------------------------------------------------------------------------------- lookups
+    def _storage_at(self, t: torch.Tensor, func) -> Storage:
+        """The resident storage holding a raw arena view's first byte."""
+        byte = t.storage_offset() * t.element_size()
+        table = self.memory.table
+        i = int(np.searchsorted(table.offsets, byte, side="right")) - 1
+        off, size, owner = table.block(i)
+        if owner == 0:
+            raise UnsupportedOp(func, f"it reads arena bytes at offset {byte} that no live tensor owns (a raw "
+                                      f"view used after its tensor was evicted or freed)")
+        return self.memory._slots[owner - 1]
+
+    def _input_holding(self, t: torch.Tensor, inputs, func, what: str) -> Storage:
+        """The input storage a plain arena tensor `t` (an op's view or written argument) lies in; an empty
+        view may start right at its storage's end."""
+        byte = t.storage_offset() * t.element_size()
+        for s in inputs:
+            if s.offset <= byte < s.offset + max(s.nbytes, 1) or (t.numel() == 0 and s.offset <= byte <= s.offset + s.nbytes):
+                return s
+        raise UnsupportedOp(func, f"it {what} arena memory that belongs to none of its inputs")

@@ -1,0 +1,212 @@
+"""Lifetime: the wrappers a block hands out, the storages they keep alive, and what is left when it ends.
+
+Rules enforced here (see ../shared DESIGN numbering):
+1. Tensors that existed before the block are read, never moved, evicted or counted. Everything produced inside
+   lives in the arena and counts, with one exception: a leaf's gradient leaves the arena as soon as autograd has
+   accumulated it (a post-accumulate-grad hook), since it is model-sized state like the parameter itself and is
+   final from then on.
+2. A storage lives while a wrapper uses it or a recipe that may still be replayed reads it; when neither holds, it
+   is freed, and so in turn is every dead storage that only its recipes needed.
+
+Note [Dead storages]
+A storage whose last wrapper died is handled at the next op (never inside one), and only when something died:
+- no recipe that may still be replayed reads it: it is freed for good, and so is every dead input that only its
+  recipes read (a chain's records go as its last reader goes);
+- a restore of an evicted storage that a wrapper still uses would read it (directly or through evicted storages
+  only): it stays as it is (resident storages stay resident and evictable), so
+  the policy, not its death, decides when it goes; dropping it would lengthen that recompute;
+- otherwise (only resident readers): it is evicted at once and its record kept, so that a later recompute of a
+  reader can rebuild it (DTR's eager eviction).
+
+Note [Block exit]
+Rationale: after backward, most wrappers are held only by the finished autograd graph or by nothing at all;
+  restoring every evicted storage that still has a wrapper, to copy it out, replays work nobody will read.
+Approach: storages whose wrappers are gone are dropped first (a cycle collection runs first when an evicted storage
+  still has wrappers, since reference cycles are what keeps finished graphs alive); what the user still holds is
+  copied out of the arena, resident storages first; evicted ones are replayed (counted in
+  `exit_rematerializations`) only when the block ends normally. When an exception leaves the block, nothing is
+  replayed: evicted storages are dropped and raise TensorLost on use, so the block ends at once.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+
+from .errors import CoopArenaError
+from .recipe import dead_ref, plain_dispatch
+from .storage import State, Storage
+from .tensor import Tensor
+
+
+class _WrapperRef(weakref.ref):
+    """A weak reference to a wrapper that knows its Cell, so its death can be counted on the storage."""
+
+    __slots__ = ("cell",)
+
+
+class Lifetime:
+    def __init__(self, memory, arena, counters):
+        self.memory = memory
+        self.arena = arena
+        self.device = arena.device
+        self.counters = counters
+        self.live: dict[int, Storage] = {}          # storages with live wrappers
+        self.dead: list[Storage] = []               # storages whose last wrapper died, handled at the next op
+        self._refs: dict[int, _WrapperRef] = {}     # id(ref) -> weak reference of every live wrapper
+        self._externals: dict[int, weakref.ref] = {}  # leaves from before the block that ops read (for .grad)
+        self._hooks: list = []                        # their post-accumulate-grad hooks
+
+    # ============================================================================================ wrappers
+    def wrap(self, s: Storage, dtype, size, stride, offset: int) -> Tensor:
+        cell = s.payload.cell(s)
+        t = Tensor(cell, size, stride, offset, dtype, self.device)
+        s.payload.wrappers += 1
+        self.live[s.sid] = s
+        ref = _WrapperRef(t, self._died)
+        ref.cell = cell
+        self._refs[id(ref)] = ref
+        return t
+
+    def _died(self, ref: _WrapperRef) -> None:
+        self._refs.pop(id(ref), None)
+        s = ref.cell.storage
+        d = s.payload
+        d.wrappers -= 1
+        if d.wrappers == 0 and d.runtime is not None:
+            self.dead.append(s)
+
+    def watch_leaf(self, x: torch.Tensor) -> None:
+        """A leaf from before the block that an op read: its gradient leaves the arena when accumulated."""
+        if x.requires_grad and x.is_leaf and id(x) not in self._externals:
+            self._externals[id(x)] = weakref.ref(x)
+            self._hooks.append(x.register_post_accumulate_grad_hook(_grad_leaves_arena))
+
+    # =============================================================================================== dead
+    def drain(self) -> None:
+        """See Note [Dead storages]."""
+        dead, self.dead = self.dead, []
+        for s in dead:
+            if s.payload.wrappers > 0 or s.state is State.FREED:
+                continue
+            if s.pins:
+                self.dead.append(s)
+                continue
+            self.live.pop(s.sid, None)
+            readers = _readers(s)
+            if not readers:
+                self.forget(s)
+            elif s.payload.recipe is None:
+                continue  # unevictable: it stays until its readers go (they will find it resident)
+            elif s.state is State.RESIDENT and not backs_evicted_live(s):
+                self.memory.evict(s)
+
+    def forget(self, s: Storage) -> None:
+        """Free `s` for good, then every dead storage that only its recipes still needed (Rule 2)."""
+        work = [s]
+        while work:
+            s = work.pop()
+            if s.state is State.FREED:
+                continue
+            inputs = s.payload.reads(s) if s.payload is not None else []
+            if s.state is State.RESIDENT and not s.evictable:
+                self.counters.count_unevictable(self.memory.table.round_up(s.nbytes), -1)
+            self.memory.free(s)
+            for p in inputs:
+                if p.payload.wrappers == 0 and p.pins == 0 and p.state is not State.FREED and not _readers(p):
+                    self.live.pop(p.sid, None)
+                    work.append(p)
+
+    def orphan(self, s: Storage) -> None:
+        """A storage whose wrappers moved to another one (copy-on-write): it is dead from now on."""
+        s.payload.cell_ref = dead_ref
+        s.payload.wrappers = 0
+        self.live.pop(s.sid, None)
+        self.dead.append(s)
+
+    # =============================================================================================== exit
+    def finish(self, remat, failed: bool) -> None:
+        """End of the block (Note [Block exit]): every storage a live wrapper uses gets a plain copy outside the
+        arena; then nothing references the arena."""
+        with plain_dispatch():
+            self._finish(remat, failed)
+
+    def _finish(self, remat, failed: bool) -> None:
+        self.drain()
+        if not failed and any(s.state is State.EVICTED for s in self.live.values()):
+            gc.collect()  # wrappers kept alive only by reference cycles (finished graphs) die here
+            self.drain()
+        live = sorted(self.live.values(), key=lambda s: (s.state is not State.RESIDENT, s.sid))
+        for s in live:
+            d = s.payload
+            try:
+                if s.state is State.EVICTED:
+                    if failed:
+                        raise _Dropped()
+                    before = self.counters.rematerializations
+                    remat.restore(s)
+                    self.counters.exit_rematerializations += self.counters.rematerializations - before
+                d.detached = self.arena.bytes(s.offset, s.nbytes).clone()
+            except (CoopArenaError, _Dropped) as e:
+                self.counters.dropped += 1
+                why = ("the block ended with an error before it could be copied out" if isinstance(e, _Dropped)
+                       else f"it could not be restored: {e}")
+                d.lost = f"storage {s.sid} was evicted when its Budget ended and {why}"
+        for s in live:
+            s.payload.runtime = None
+            s.payload.recipe = None
+            s.payload.mutations = []
+        for h in self._hooks:
+            h.remove()
+        for ref in self._externals.values():
+            t = ref()
+            if t is not None and isinstance(t.grad, Tensor):
+                g = t.grad
+                with torch.no_grad():
+                    t.grad = g.as_plain()
+        self.live.clear()
+        self._refs.clear()
+        self._externals.clear()
+
+
+def backs_evicted_live(s: Storage, limit: int = 256) -> bool:
+    """True when a restore of some evicted storage that a wrapper still uses would read `s` (directly, or through
+    evicted storages only): evicting `s` would lengthen that recompute. A walk past `limit` storages answers True
+    (keeping is always safe)."""
+    seen = {s.sid}
+    work = [s]
+    while work:
+        for r in _readers(work.pop()):
+            if r.state is State.EVICTED and r.sid not in seen:
+                if r.payload.wrappers:
+                    return True
+                if len(seen) >= limit:
+                    return True
+                seen.add(r.sid)
+                work.append(r)
+    return False
+
+
+def _readers(s: Storage) -> list:
+    """The storages whose recipes read `s` and may still be replayed."""
+    out = []
+    for ref in s.consumers:
+        r = ref()
+        if r is not None and r is not s and r.state is not State.FREED and r.payload.recipe is not None:
+            out.append(r)
+    return out
+
+
+class _Dropped(Exception):
+    """Internal: an evicted storage is not replayed at exit after an error."""
+
+
+def _grad_leaves_arena(leaf: torch.Tensor) -> None:
+    """A leaf's gradient is final once autograd has accumulated it: it moves out of the arena at once, like the
+    parameter it belongs to (model-sized state, not counted), and is never evicted or recomputed."""
+    g = leaf.grad
+    if isinstance(g, Tensor) and g._cell.storage.payload.runtime is not None:
+        with plain_dispatch():
+            leaf.grad = g.as_plain().clone()

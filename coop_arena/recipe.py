@@ -1,0 +1,161 @@
+"""Recipes: how the op that produced or wrote a storage is recorded, and how it is replayed bit for bit.
+
+Also the runtime's part of each storage record (`Data`, in `Storage.payload`): the producer's recipe, the
+in-place writes since, and the wrappers that use the storage.
+
+Rules enforced here (see ../shared DESIGN numbering):
+4. A random op recomputes the same bits: the generator state before it ran is part of its recipe, and a replay
+   runs with that state (and puts the generator back afterwards).
+8. A replay runs under the conditions the op first ran under (grad mode, below autograd, no dispatch mode).
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from . import ops
+from .errors import TensorLost, _internal_assert
+from .storage import Storage
+from .tensor import Cell
+
+
+@dataclass(slots=True, eq=False)
+class ArgRef:
+    """A recipe argument that lives in the arena: the storage, the version it had, and the view."""
+
+    storage: Storage
+    version: int
+    dtype: torch.dtype
+    size: tuple
+    stride: tuple
+    offset: int
+
+
+@dataclass(slots=True, eq=False)
+class Recipe:
+    func: object
+    args: tuple             # with ArgRef leaves for arena tensors, plain tensors for external ones
+    kwargs: dict
+    rng: object             # (generator, state) captured before a random op ran, else None (Rule 4)
+    cost: float
+    uninitialized: bool = False
+    grad_mode: bool = True  # some kernels return different outputs with grad mode off (mkldnn_rnn_layer's workspace)
+    reads: tuple = ()       # the storages its ArgRefs name, in first-seen order (filled by `make`)
+
+    @staticmethod
+    def make(func, args, kwargs, rng, cost, *, uninitialized=False, grad_mode=True) -> "Recipe":
+        seen: dict[int, Storage] = {}
+        for a in ops.flatten(args, kwargs)[0]:
+            if isinstance(a, ArgRef):
+                seen.setdefault(a.storage.sid, a.storage)
+        return Recipe(func, args, kwargs, rng, cost, uninitialized, grad_mode, tuple(seen.values()))
+
+    def without_arg(self, pos: int) -> None:
+        """Record the positional argument `pos` as None (an external tensor the op wrote, Rule 5)."""
+        self.args = tuple(None if j == pos else a for j, a in enumerate(self.args))
+
+
+@dataclass(slots=True, eq=False)
+class Data:
+    """The runtime's part of a storage record (`Storage.payload`)."""
+
+    runtime: object             # the Runtime that owns the bytes; None once the block has ended; Lifetime
+    cell_ref: weakref.ref       # the Cell its wrappers share (weak: Storage -> Data -> Cell -> Storage is no cycle)
+    recipe: Recipe | None       # the producer; None: not recomputable (the storage is unevictable); Dispatch, Remat
+    index: int                  # which output of the producer
+    mutations: list = field(default_factory=list)  # in-place writes since, in order (Rule 6); Dispatch, Remat
+    wrappers: int = 0           # live coop_arena.Tensor objects on this storage; Lifetime
+    detached: torch.Tensor | None = None  # after the block: a plain copy of the bytes; Lifetime
+    lost: str | None = None     # why the bytes are gone (a failed or interrupted block); Lifetime
+
+    @property
+    def version(self) -> int:
+        return len(self.mutations)
+
+    def recipes(self) -> list:
+        """What a restore replays, in order: the producer (unless it is uninitialized memory), then the writes."""
+        r = self.recipe
+        _internal_assert(r is not None, "a storage without a recipe was asked for its replay")
+        return ([] if r.uninitialized else [r]) + self.mutations
+
+    def reads(self, s: Storage) -> list:
+        """The storages a restore of `s` needs resident, in first-seen order, `s` itself left out."""
+        seen: dict[int, Storage] = {}
+        for r in ([self.recipe] if self.recipe is not None and not self.recipe.uninitialized else []) + self.mutations:
+            for b in r.reads:
+                if b is not s:
+                    seen.setdefault(b.sid, b)
+        return list(seen.values())
+
+    def cell(self, storage: Storage) -> Cell:
+        c = self.cell_ref()
+        if c is None:
+            c = Cell(storage)
+            self.cell_ref = weakref.ref(c)
+        return c
+
+    def plain_view(self, t) -> torch.Tensor:
+        """A plain tensor over wrapper `t`'s bytes: its own copy after the block, the arena inside it."""
+        with plain_dispatch():
+            if self.detached is not None:
+                return self.detached.view(t.dtype).as_strided(t.size(), t.stride(), t.storage_offset())
+            if self.lost is not None:
+                raise TensorLost(self.lost)
+            rt = self.runtime
+            _internal_assert(rt is not None, "a storage with neither an arena nor a copy")
+            return rt.plain_view(t)
+
+
+def dead_ref():
+    return None
+
+
+def generator_for(device: torch.device, kwargs: dict):
+    g = kwargs.get("generator")
+    if g is not None:
+        return g
+    if device.type == "cpu":
+        return torch.default_generator
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return None  # meta: no bits to reproduce
+
+
+def capture_rng(device: torch.device, random: bool, kwargs: dict):
+    """(generator, state) before a random op runs (Rule 4), else None."""
+    if not random:
+        return None
+    gen = generator_for(device, kwargs)
+    return None if gen is None else (gen, gen.get_state())
+
+
+@contextmanager
+def plain_dispatch():
+    """Run ops as the dispatch handler does (no autograd, no dispatch mode), for work started elsewhere."""
+    with torch.utils._python_dispatch._disable_current_modes(), torch._C._AutoDispatchBelowADInplaceOrView():
+        yield
+
+
+@contextmanager
+def replaying(recipe: Recipe):
+    """The conditions the op first ran under: grad mode and, for a random op, the generator state (Rule 4)."""
+    with torch.set_grad_enabled(recipe.grad_mode), torch._C._AutoDispatchBelowADInplaceOrView(), _rng(recipe.rng):
+        yield
+
+
+@contextmanager
+def _rng(saved):
+    if saved is None:
+        yield
+        return
+    gen, state = saved
+    now = gen.get_state()
+    gen.set_state(state)
+    try:
+        yield
+    finally:
+        gen.set_state(now)
