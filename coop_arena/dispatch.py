@@ -33,7 +33,7 @@ from .cost import op_cost
 from .errors import BudgetUsageError, UnsupportedOp, _internal_assert
 from .recipe import ArgRef, Data, Recipe, capture_rng, dead_ref, plain_dispatch
 from .remat import contiguous_strides
-from .storage import Storage, add_consumer
+from .storage import Storage
 from .tensor import Tensor
 
 aten = torch.ops.aten
@@ -276,9 +276,7 @@ class Dispatch:
         for s in targets:
             if len(targets) == 1 and s.payload.recipe is not None:
                 s.payload.mutations.append(recipe)
-                for b in call.inputs:
-                    if b is not s:
-                        add_consumer(b, s)
+                self.memory.add_write(s, recipe.cost, call.inputs)
             else:  # a write to several storages at once cannot be replayed into one: keep them
                 self.remat.make_unevictable(s)
         self._note_external_reads(call.recorded, targets)
@@ -325,9 +323,7 @@ class Dispatch:
         finally:
             self.memory.unpin(new)
         new.payload.mutations.append(recipe)
-        for b in call.inputs:
-            if b is not old:
-                add_consumer(b, new)
+        self.memory.add_write(new, recipe.cost, [b for b in call.inputs if b is not old])
         self._note_external_reads(call.recorded, [new])
         return self._results_of_write(call, out, [new])
 
