@@ -203,11 +203,22 @@ class Memory:
         self._check_mine(s)
         if s.state is not State.RESIDENT:
             raise ValueError(f"storage {s.sid} is {s.state.value}; only a resident storage can be written")
+        self.extend(s, cost, inputs)
+
+    def extend(self, s: Storage, cost: float, inputs=()) -> None:
+        """A replay of `s` now costs `cost` more and reads `inputs` too (its own write, or the rebuilding of an
+        old version of a storage it reads)."""
+        self._check_mine(s)
+        if s.state is State.FREED:
+            raise ValueError(f"storage {s.sid} is freed; a freed storage is never replayed")
         s.cost += _check_cost(cost)
         for b in inputs:
             if b is not s and not any(b is x for x in s.inputs):
                 add_input(s, b)
-        self._stale[s.sid] = s
+        if s.state is State.RESIDENT:
+            self._stale[s.sid] = s
+        else:
+            self._mark_dependents(s)
 
     def make_unevictable(self, s: Storage) -> None:
         self._check_mine(s)
