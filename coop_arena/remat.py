@@ -3,8 +3,9 @@
 Rules enforced here (see ../shared DESIGN numbering; Note [Restore plans] below for how):
 3. A recomputation pins every input on its path until it completes; intermediates restored only to rebuild a
    needed storage are released as soon as what read them is rebuilt.
-6. A write to a storage invalidates the recipes that read its old value: those readers are restored if needed and
-   become unevictable ("frozen") before the write runs.
+6. A write to a storage keeps the recipes that read its old value replayable: they rebuild that version when they
+   run (Note [Old versions]). Only when the old version cannot be rebuilt are they restored if needed and made
+   unevictable ("frozen") before the write runs.
 7. A replay that would start with recomputation already past `max_overhead` times the cost of the ops run so far
    raises Thrashing instead, before anything changes for that replay; every pin taken is released.
 9. Restores never fight each other: the storages an op reads, and those a replay reads, cannot be evicted by the
@@ -25,6 +26,16 @@ Approach: `acquire(targets)` first pins the resident targets. The evicted target
   if no wrapper holds it (restored only as an ancestor) it is evicted at once, otherwise it stays resident and
   evictable (a chain's backward pass reads it next). Targets stay pinned for the caller.
 Limitations: the order is one topological order (depth first), not the one that needs the least memory.
+
+Note [Old versions]
+Rationale: an in-place write (Rule 6) overwrites a value other recipes may still read. Freezing those readers
+  (unevictable, recipe dropped) keeps them forever: a recurrent cell's in-place gate updates froze one storage
+  per timestep. The old value is recomputable, as the producer and the writes before it are all recorded.
+Approach: a recipe argument names the version it read. A plan node is a storage at its current version, or an
+  old version `(storage, k)`: that one is replayed (producer, then the first k writes) into a scratch range that
+  is pinned, unevictable and freed after its last reader in the plan. At the write, each reader of the old value
+  is charged its replay (`before_write`). A storage with no recipe has no old version to rebuild: its readers
+  are frozen as before, and so are readers of tensors written outside the arena (Rule 5).
 """
 
 from __future__ import annotations
