@@ -58,14 +58,16 @@ Limitations (what the optimum is a bound of, and what it is not):
   - Schedules that evict a gradient (or the loss, or the gradient seed) and rebuild it are outside the class.
     The runtime rebuilds such a storage only when it is read again, and by then the storages it was computed
     from have usually left the arena (a storage goes as soon as its last wrapper dies), so the rebuild replays
-    the backward from the gradient seed down to that layer. An exhaustive search that allows this, exactly as
-    the runtime would (tests/test_chain_optimum.py, gradients=True, 2 layers in the tests and 3 by hand), finds
-    the same least cost at every budget where a checkpointing schedule fits, and fits budgets below the DP's
-    smallest one (48 instead of 56 blocks: the weight gradient is evicted before its hook reads it). So for the
-    runtime as it is the optimum is a lower bound wherever it is finite. If dead storages stayed resident
-    (issue 8 asks to keep dead ancestors of evicted storages), a gradient could be rebuilt by one op before its
-    inputs go, and on 2 layers an activation gradient rebuilt that way (one mm, cost 32,768) beats rebuilding a
-    layer's forward (41,216) between 57 and 64 blocks: the optimum would then not be a bound near the peak.
+    the backward from the gradient seed down to that layer. An exhaustive search that allows this the way the
+    runtime does it (rebuilt when read or as an input of such a rebuild, gone once its wrapper died;
+    tests/test_chain_optimum.py, gradients=True, 2 layers in the tests and 3 by hand) finds the same least cost
+    at every budget where a checkpointing schedule fits, and fits budgets below the DP's smallest one (down to
+    48 blocks instead of 56, at a higher cost). That is evidence, not a proof, that for the runtime as it is the
+    optimum is a lower bound wherever it is finite (placement aside). If dead storages stayed resident (issue 8
+    asks to keep dead ancestors of evicted storages), a gradient could be rebuilt by one op before its inputs
+    go; the same search, with storages kept past their wrappers, then finds on 2 layers between 57 and 64 blocks
+    a schedule that replays one mm (32,768) where the optimum replays one layer's forward (41,216): the optimum
+    would then not be a bound near the peak.
 """
 
 from __future__ import annotations
