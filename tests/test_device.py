@@ -6,7 +6,12 @@ check with fake streams, the Triton move kernel in Triton's interpreter); tests/
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -206,3 +211,50 @@ def test_a_block_on_a_new_stream_waits_for_the_previous_one(streams):
         (w @ w).sum()
     assert streams.b.waited == [streams.a]
 
+
+
+# ------------------------------------------------------------------------------------- the prepared GPU check
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the parts run (make gpu-check)")
+def test_gpu_check_without_a_gpu_skips_each_part_with_its_reason(tmp_path):
+    assert _gpu_check().main(["--parts", "kernels,gpt2,resnet50", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert {p: r["status"] for p, r in report["parts"].items()} == dict.fromkeys(["kernels", "gpt2", "resnet50"],
+                                                                                "skipped")
+    assert all("no CUDA device" in r["reason"] for r in report["parts"].values())
+    assert [t["verdict"] for t in report["targets"]] == ["n/a"] * 3
+    assert "no CUDA device" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_gpu_check_measures_tiny_models_on_the_cpu(tmp_path):
+    """The model parts end to end (child processes, records, summary) with tiny models on the CPU."""
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--smoke", "--parts",
+                           "gpt2,resnet50", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    for part in ("gpt2", "resnet50"):
+        result = report["parts"][part]
+        assert result["status"] == "ok", result
+        kinds = [r["kind"] for r in result["records"]]
+        assert kinds[:3] == ["model", "plain", "engine_peak"] and kinds[3:] == ["run"] * 9
+        plain, engine = result["records"][1], result["records"][2]
+        assert plain["reproducible"] and engine["evictions"] == 0 and engine["peak_bytes"] > 0
+        runs = result["records"][3:]
+        ok = [r for r in runs if r["status"] == "ok"]
+        assert all(r["status"] in ("ok", "error") for r in runs) and ok
+        assert all(r["bitwise_equal"] and len(r["steps"]) == 3 for r in ok), "a Budget run differs from plain PyTorch"
+        assert any(r["steps"][-1]["stats"]["rematerializations"] > 0 for r in ok)
+        assert all("OutOfBudget" in r["error"] or "Thrashing" in r["error"] for r in runs if r["status"] == "error")
+    verdicts = [t["verdict"] for t in report["targets"]]
+    assert verdicts[:2] != ["n/a", "n/a"] and verdicts[2] == "n/a"  # no device memory counters on the CPU
+    text = (tmp_path / "gpu_check.md").read_text()
+    assert "## gpt2" in text and "## resnet50" in text and "| coop | 0.5 |" in text
