@@ -133,6 +133,7 @@ def check_recomputed(scale_op, calls: list, device: str) -> None:
     calls.clear()
     expected = train_scaled(scale_op, None, device)
     plain_calls = len(calls)
+    assert bitwise_equal(expected, train_scaled(scale_op, None, device)), "plain PyTorch does not reproduce itself"
     probe = coop_arena.Budget(1 << 26, device=device)
     train_scaled(scale_op, probe, device, steps=1)
     budget = coop_arena.Budget(int(0.5 * probe.stats.peak_bytes), device=device)
