@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .arena import Arena, resolve_device
+from .arena import Arena, check_backend, resolve_device
 from .errors import BudgetUsageError, _internal_assert
 from .memory import Memory
 from .policy import POLICIES
@@ -68,15 +68,19 @@ class _Mode(TorchDispatchMode):
     def __init__(self, runtime: Runtime):
         super().__init__()
         self.runtime = runtime
+        self.arena = runtime.arena
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.arena.stream is not None:  # CUDA: Note [Streams] in arena.py
+            self.arena.check_stream(func)
         return self.runtime.run(func, args, kwargs or {})
 
 
 class Budget:
     def __init__(self, nbytes: int, *, device=None, policy: str = "coop", partition: bool = True,
                  recomputable_inplace: bool = True, alignment: int = 512, cheap_density: float = 4.0,
-                 trace_len: int = 10_000, max_overhead: float | None = None, relocate: bool = True):
+                 trace_len: int = 10_000, max_overhead: float | None = None, relocate: bool = True,
+                 backend: str = "torch"):
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"nbytes must be a positive int number of bytes, got {nbytes!r} "
                              f"(for example coop_arena.Budget(4 << 30) for 4 GiB)")
@@ -90,13 +94,14 @@ class Budget:
                                          or not max_overhead > 1.0):
             raise ValueError(f"max_overhead must be None (no limit) or a number > 1, got {max_overhead!r} (for "
                              f"example 10: stop with Thrashing once recomputation costs 9x the ops run so far)")
+        check_backend(backend)
         self.max_overhead = None if max_overhead is None else float(max_overhead)
         self.device = resolve_device(device)
         self.policy = policy
         self.recomputable_inplace = recomputable_inplace
         self.memory = Memory(nbytes, policy=policy, partition=partition, alignment=alignment,
                              cheap_density=cheap_density, trace_len=trace_len, relocate=relocate)
-        self.arena = Arena(nbytes, self.device, self.memory.table.usable)
+        self.arena = Arena(nbytes, self.device, self.memory.table.usable, backend=backend)
         self._runtime: Runtime | None = None
         self._mode: _Mode | None = None
         self._stats: BudgetStats | None = None
@@ -112,6 +117,7 @@ class Budget:
             raise BudgetUsageError(f"{other!r} is already active; Budgets do not nest. Leave it before entering "
                                    f"{self!r}, or use one Budget for the whole step")
         raise_recursion_limit()
+        self.arena.bind_stream()
         self.memory.reset()
         self._runtime = Runtime(self.memory, self.arena, recomputable_inplace=self.recomputable_inplace,
                                 max_overhead=self.max_overhead)
@@ -183,6 +189,7 @@ def pinned(t: Tensor, *, readonly: bool = False):
     if rt is None:
         yield t.as_plain()
         return
+    rt.arena.check_stream("coop_arena.pinned")  # Note [Streams] in arena.py
     with plain_dispatch():
         rt.remat.acquire([s], "coop_arena.pinned")
         rt.memory.fix(s)  # the raw view must stay valid: never relocated either

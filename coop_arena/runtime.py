@@ -60,8 +60,7 @@ class Runtime:
     def copy_bytes(self, src: int, dst: int, nbytes: int) -> None:
         """Copy a storage's bytes between two arena ranges that do not overlap (copy-on-write, Note
         [Relocation] in memory.py)."""
-        if self.device.type != "meta":
-            self.arena.bytes(dst, nbytes).copy_(self.arena.bytes(src, nbytes))
+        self.arena.move(src, dst, nbytes)
 
     def finish(self, failed: bool = False) -> None:
         self.lifetime.finish(self.remat, failed)
