@@ -154,6 +154,9 @@ class Budget:
 
     def _explain_thrashing(self) -> str:
         """What a thrashing step's RuntimeWarning tells its user (Remat warns once per block)."""
+        if not self.memory.stats.eviction_events:
+            return (f"No placement in the budget of {_fmt(self.memory.budget)} has needed an eviction: the tensors "
+                    f"recomputed were evicted by hand (Memory.evict).")
         stop = (f"max_overhead={self.max_overhead:g} stops it with coop_arena.Thrashing at that overhead"
                 if self.max_overhead is not None else
                 "pass max_overhead (for example max_overhead=10) to stop such a step with coop_arena.Thrashing "
