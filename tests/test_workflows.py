@@ -150,6 +150,43 @@ def test_adamw_step_at_a_tight_budget():
     assert bitwise_equal(list(plain.parameters()), list(model.parameters()))
 
 
+@pytest.mark.parametrize("fraction", [0.35, 0.1])
+def test_tensors_held_across_a_step_keep_the_values_of_the_old_parameters(fraction):
+    """Activations held across `opt.step()` inside the block, some evicted: they are restored from the parameters
+    they were computed from (all at once, before the step) or, where the budget cannot hold them together, lost;
+    never recomputed from the new parameters."""
+    layers, x = chain()
+    plain_keep = []
+    plain_opt = torch.optim.SGD(layers.parameters(), lr=0.5)
+    forward(layers, x, plain_keep).backward()
+    plain_opt.step()
+    plain_params = [p.detach().clone() for p in layers.parameters()]
+    layers, x = chain()
+    opt = torch.optim.SGD(layers.parameters(), lr=0.5)
+    budget = coop_arena.Budget(int(fraction * chain_peak(layers, x)), device="cpu")
+    layers.zero_grad()
+    keep = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with budget:
+            forward(layers, x, keep).backward()
+            held = keep[::4]
+            del keep
+            evicted = [h for h in held if h._cell.storage.state is State.EVICTED]
+            opt.step()
+            assert all(h._cell.storage.state is State.RESIDENT or h._cell.storage.payload.lost for h in held)
+    assert evicted, "nothing held was evicted: the test does not test what it says"
+    assert bitwise_equal(plain_params, list(layers.parameters()))
+    lost = [h for h in held if h._cell.storage.payload.lost is not None]
+    assert (len(lost) > 0) == (fraction < 0.2)
+    for h, p in zip(held, plain_keep[::4]):
+        if h._cell.storage.payload.lost is None:
+            assert torch.equal(h.as_plain(), p.detach())
+        else:
+            with pytest.raises(coop_arena.TensorLost, match="before an optimizer step overwrote"):
+                h.as_plain()
+
+
 def test_exception_inside_step_hands_the_ops_back_to_the_budget():
     class Failing(torch.optim.SGD):
         @torch.no_grad()
