@@ -17,7 +17,8 @@ Approach: while a Budget is active, torch.optim's global step hooks mark each `O
   uses are made unevictable (restored first if evicted; if that fails they are lost, TensorLost on use, as at the
   end of a block), and those nobody can reach any more are freed. Then each op of the step that reads no tensor of
   this block runs as without a Budget (`plain`), so foreach, fused and single-tensor paths give the bits they give
-  outside. A closure passed to `step` (it computes the loss) runs under the Budget again.
+  outside. A closure passed to `step` (it computes the loss) runs under the Budget again, and what it computed
+  is settled when it returns.
   An exception leaving `step` skips the post hook: its mark is dropped by the next op, which finds the frame gone.
 Limitations: the step's own memory (state, temporaries) is not counted in the budget. Parameters made inside the
   block live in the arena; ops of a step that read them go through the Budget like any op.
@@ -83,9 +84,9 @@ class Steps:
         settle(self.runtime, _touched(optimizer))
         self.frames.append(sys._getframe(1))  # the frame of torch.optim's step wrapper, alive while the step runs
         if len(args) > 1 and callable(args[1]):
-            return (args[0], self._resumed(args[1]), *args[2:]), kwargs
+            return (args[0], self._resumed(args[1], optimizer), *args[2:]), kwargs
         if callable(kwargs.get("closure")):
-            return args, {**kwargs, "closure": self._resumed(kwargs["closure"])}
+            return args, {**kwargs, "closure": self._resumed(kwargs["closure"], optimizer)}
         return None
 
     def _after(self, optimizer, args, kwargs):
@@ -96,13 +97,17 @@ class Steps:
             if self.frames.pop() is frame:
                 break
 
-    def _resumed(self, closure):
+    def _resumed(self, closure, optimizer):
+        """`closure` run under the Budget; what it computed from the parameters is settled before the step goes on
+        to overwrite them."""
         def under_budget(*a, **k):
             self.frames.append(None)
             try:
-                return closure(*a, **k)
+                loss = closure(*a, **k)
             finally:
                 self.frames.pop()
+            settle(self.runtime, _touched(optimizer))
+            return loss
         return under_budget
 
 

@@ -103,9 +103,10 @@ def test_zero_grad_scheduler_and_closure_inside_the_block():
 
             def closure():
                 opt.zero_grad(set_to_none=False)
-                loss = model(x).square().mean()
+                hidden = model[1](model[0](x))
+                loss = model[2](hidden).square().mean()
                 loss.backward()
-                losses.append(loss)
+                losses.extend([loss, hidden])  # held across the step that follows
                 return loss
 
             with budget if budget is not None else contextlib.nullcontext():
@@ -114,10 +115,11 @@ def test_zero_grad_scheduler_and_closure_inside_the_block():
             evictions += budget.stats.evictions if budget is not None else 0
         return model, opt, losses, evictions
 
-    plain, plain_opt, _, _ = run(None)
+    plain, plain_opt, plain_losses, _ = run(None)
     model, opt, losses, evictions = run(coop_arena.Budget(12 << 10, device="cpu"))
     assert evictions > 0
     assert all(isinstance(loss, coop_arena.Tensor) for loss in losses), "the closure ran outside the Budget"
+    assert bitwise_equal([t.detach() for t in plain_losses], [t.as_plain() for t in losses])
     assert bitwise_equal(list(plain.parameters()), list(model.parameters()))
     assert opt.param_groups[0]["lr"] == plain_opt.param_groups[0]["lr"] == 0.1 * 0.5 ** 3
     assert all(type(v) is torch.Tensor for st in opt.state.values() for v in st.values())
