@@ -361,8 +361,9 @@ def attention_grads(config, budget=None):
 
 
 PINNED_PLAN = pytest.mark.xfail(strict=True, raises=coop_arena.OutOfBudget, reason=(
-    "a restore plan keeps its boundary pinned until the plan ends (remat.py, Note [Restore plans]): restoring an "
-    "input of a residual add in the backward pass pins 1 MiB of the 1.16 MiB budget, twice the lower bound"))
+    "rebuilding the residual stream for an add in the backward pass replays whole attention layers (an 81-node "
+    "restore plan), and the plan keeps each rebuilt tensor pinned until its last reader in the plan has run "
+    "(remat.py, Note [Restore plans]): 1 MiB of the 1.16 MiB budget ends up pinned, twice the lower bound"))
 FRAGMENTED = pytest.mark.xfail(strict=True, raises=coop_arena.OutOfBudget, reason=(
     "three pinned 128 KiB attention matrices split the arena into 96 KiB ranges, and relocation finds no single "
     "free or evictable block outside the window large enough to take one of them (memory.py, Note [Relocation])"))
