@@ -20,6 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .arena import Arena, resolve_device
+from .bookkeeping import Bookkeeping
 from .errors import BudgetUsageError, _internal_assert
 from .memory import Memory
 from .policy import POLICIES
@@ -95,6 +96,7 @@ class Budget:
         self.arena = Arena(nbytes, self.device, self.memory.table.usable)
         self._runtime: Runtime | None = None
         self._mode: _Mode | None = None
+        self._bookkeeping: Bookkeeping | None = None
         self._stats: BudgetStats | None = None
         self._trace: list = []
 
@@ -109,10 +111,12 @@ class Budget:
                                    f"{self!r}, or use one Budget for the whole step")
         raise_recursion_limit()
         self.memory.reset()
+        self._bookkeeping = Bookkeeping()
         self._runtime = Runtime(self.memory, self.arena, recomputable_inplace=self.recomputable_inplace,
-                                max_overhead=self.max_overhead)
+                                max_overhead=self.max_overhead, bookkeeping=self._bookkeeping)
         self._mode = _Mode(self._runtime)
         self._mode.__enter__()
+        self._bookkeeping.open()
         _active.budget = self
         return self
 
@@ -121,6 +125,7 @@ class Budget:
         try:
             self._mode.__exit__(None, None, None)
         finally:
+            self._bookkeeping.close()
             _active.budget = None
             rt, self._mode = self._runtime, None
             try:

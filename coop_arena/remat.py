@@ -157,6 +157,8 @@ class Remat:
             memory.touch(b)
         cost = 0.0
         recipe = d.recipe
+        for r in [recipe, *d.mutations]:  # See Rule 5: collectives keep no recipe (collectives.py)
+            _internal_assert(not ops.info(r.func).effectful, f"storage {s.sid}'s recipe holds the collective {r.func}")
         if not recipe.uninitialized:
             args, kwargs = self.views(recipe, None, 0)
             with replaying(recipe):
