@@ -48,7 +48,7 @@ class Branchy(nn.Module):
     """A trunk, a head only rank 0 uses (locally unused on rank 1, globally used: DDP's finalize gives rank 1
     its averaged gradient through a clone), and a layer no rank uses (its gradient stays None)."""
 
-    def __init__(self, width=64, depth=8):
+    def __init__(self, width=64, depth=16):
         super().__init__()
         self.trunk = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())])
         self.head = nn.Linear(width, 10)
