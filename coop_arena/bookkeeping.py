@@ -35,6 +35,7 @@ Limitations: communication hooks whose future callbacks run on a backend thread 
 from __future__ import annotations
 
 import sys
+import threading
 
 import torch
 from torch.nn.modules import module as _module
@@ -77,8 +78,10 @@ class Bookkeeping:
         self._ddp = _ddp_class()
         self._windows: list[_Window] = []
         self._handles = ()
+        self._thread = threading.get_ident()  # module hooks are global: modules run by other threads are not ours
 
     def open(self) -> None:
+        self._thread = threading.get_ident()
         if self._ddp is not None:
             self._handles = (_module.register_module_forward_pre_hook(self._pre),
                              _module.register_module_forward_hook(self._post, always_call=True))
@@ -90,6 +93,8 @@ class Bookkeeping:
         self._windows.clear()
 
     def _pre(self, module, args) -> None:
+        if threading.get_ident() != self._thread:
+            return
         w = self._windows[-1] if self._windows else None
         if w is not None and module is w.ddp.module:
             w.inner += 1
@@ -103,6 +108,8 @@ class Bookkeeping:
                 f"the first forward. Use DistributedDataParallel under a Budget, or run the FSDP model without one")
 
     def _post(self, module, args, output) -> None:
+        if threading.get_ident() != self._thread:
+            return
         w = self._windows[-1] if self._windows else None
         if w is None:
             return

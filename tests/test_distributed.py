@@ -396,6 +396,35 @@ def test_a_rank_out_of_budget_fails_both_ranks_promptly(ranks):
     assert other["seconds"] < 30, other  # the process group's timeout is 60 s
 
 
+def test_state_made_in_gradient_hooks_stays_outside_the_arena():
+    """The same rule without DDP: an optimizer run from post-accumulate-grad hooks (optimizer in backward)
+    creates its state inside the block, in the autograd engine's accumulation hooks; it is plain state like
+    the parameters, and training stays exact."""
+
+    def run(budget):
+        torch.manual_seed(0)
+        model = CNN()
+        opts = {p: torch.optim.Adam([p], lr=1e-3) for p in model.parameters()}
+
+        def step(p):
+            opts[p].step()
+            opts[p].zero_grad()
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(step)
+        for i in range(2):
+            x, y = batch("cnn", i)
+            with budget or contextlib.nullcontext():
+                loss_fn("cnn", model(x), y).backward()
+        kinds = {type(v) for o in opts.values() for st in o.state.values() for v in st.values()}
+        return [p.detach() for p in model.parameters()], kinds
+
+    ref, _ = run(None)
+    budget = coop_arena.Budget(1 << 22, device="cpu")
+    got, kinds = run(budget)
+    assert kinds == {torch.Tensor} and bitwise_equal(ref, got)
+
+
 def test_the_torchrun_example_stops_every_rank_when_one_runs_out_of_budget():
     """README's example under torchrun: both ranks measure their peak, then rank 1 gets 1 KiB; it reports
     OutOfBudget and tears its process group down, and torchrun stops the job with an error, within seconds."""
