@@ -27,6 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .arena import Arena, check_backend, resolve_device
+from .bookkeeping import Bookkeeping
 from .errors import ArenaAllocationError, BudgetUsageError, CompileNotApplied, _fmt, _internal_assert
 from .memory import Memory
 from .optimizer import Steps
@@ -121,6 +122,7 @@ class Budget:
         self._mode: _Mode | None = None
         self._module_hook = None
         self._compile_warned = False
+        self._bookkeeping: Bookkeeping | None = None
         self._stats: BudgetStats | None = None
         self._trace: list = []
 
@@ -136,11 +138,14 @@ class Budget:
         raise_recursion_limit()
         self.arena.bind_stream()
         self.memory.reset()
+        self._bookkeeping = Bookkeeping()
         self._runtime = Runtime(self.memory, self.arena, recomputable_inplace=self.recomputable_inplace,
-                                max_overhead=self.max_overhead, explain=self._explain_thrashing)
+                                max_overhead=self.max_overhead, explain=self._explain_thrashing,
+                                bookkeeping=self._bookkeeping)
         self._mode = self._runtime.mode = _Mode(self._runtime)
         self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(_warn_if_compiled)
         self._mode.__enter__()
+        self._bookkeeping.open()
         _active.budget = self
         return self
 
@@ -149,6 +154,7 @@ class Budget:
         try:
             self._mode.__exit__(None, None, None)
         finally:
+            self._bookkeeping.close()
             _active.budget = None
             self._mode.steps.remove()
             self._module_hook.remove()
