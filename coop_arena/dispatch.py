@@ -149,7 +149,7 @@ class Dispatch:
             return self._run_view(call)
         if plan is not None and (plan.out_op is not None or call.op.uninitialized):
             return self._run_direct(call, owner, plan)
-        if self.runtime.mode is not None and placement.decomposes(call.func, call.op, self.device.type):
+        if plan is not None and plan.decomposes and self.runtime.mode is not None:
             return self._run_decomposed(call)
         self._bind(call, owner)
         return self._run_temporary(call, plan)
