@@ -445,10 +445,8 @@ class Dispatch:
 
     # ------------------------------------------------------------------------------------ external writes
     def _freeze_readers_of_external(self, t: torch.Tensor) -> None:
-        for ref in self._ext_readers.pop(t.untyped_storage()._cdata, ()):
-            d = ref()
-            if d is not None:
-                self.remat.freeze(d)
+        """See Rule 5: before (or, for a write the schema hides, right after) a write into `t` outside the arena."""
+        self.runtime.settle([t])
 
     def _note_external_reads(self, recorded: list, storages) -> None:
         if not storages:

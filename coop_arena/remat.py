@@ -327,8 +327,10 @@ class Remat:
         self.counters.frozen += 1
 
     def make_unevictable(self, s: Storage) -> None:
-        s.payload.recipe = None
-        s.payload.mutations = []
+        d = s.payload
+        d.base_version = d.version  # readers recorded the version it has: it stays
+        d.recipe = None
+        d.mutations = []
         if s.evictable:
             self.memory.make_unevictable(s)
             self.counters.count_unevictable(self.memory.table.round_up(s.nbytes), +1)
