@@ -146,12 +146,13 @@ class BlockTable:
     def place(self, free_offset: int, nbytes: int, owner: int, high: bool) -> int:
         """Give `owner` an aligned range of `nbytes` at the low (or high) edge of the free block at
         `free_offset`; returns the range's offset."""
-        _internal_assert(owner > 0, f"owner code must be positive, got {owner}")
         need = self.round_up(nbytes)
         b = self._id(free_offset)
         size, cur = self._size[b], self._owner[b]
-        _internal_assert(cur == FREE, f"block at {free_offset} is not free (owner {cur})")
-        _internal_assert(size >= need, f"free block at {free_offset} holds {size} bytes, {need} requested")
+        if owner <= 0 or cur != FREE or size < need:  # messages are formatted only on failure (a hot path)
+            _internal_assert(owner > 0, f"owner code must be positive, got {owner}")
+            _internal_assert(cur == FREE, f"block at {free_offset} is not free (owner {cur})")
+            _internal_assert(False, f"free block at {free_offset} holds {size} bytes, {need} requested")
         self._free_remove(size, free_offset)
         if size == need:
             self._set_owner(b, owner)
@@ -188,7 +189,8 @@ class BlockTable:
     def release(self, offset: int) -> int:
         """Free the block at `offset`, merging with free neighbours; returns the merged block's offset."""
         b = self._id(offset)
-        _internal_assert(self._owner[b] != FREE, f"block at {offset} is already free")
+        if self._owner[b] == FREE:
+            _internal_assert(False, f"block at {offset} is already free")
         self.used_bytes -= self._size[b]
         self._set_owner(b, FREE)
         q = self._next[b]
@@ -204,7 +206,8 @@ class BlockTable:
     # ------------------------------------------------------------------------------------------------ inner
     def _id(self, offset: int) -> int:
         b = self._at.get(offset)
-        _internal_assert(b is not None, f"no block starts at offset {offset}")
+        if b is None:
+            _internal_assert(False, f"no block starts at offset {offset}")
         return b
 
     def _set_size(self, b: int, size: int) -> None:
@@ -291,12 +294,13 @@ class BlockTable:
         bisect.insort(self._free_at, off)
 
     def _free_remove(self, size: int, off: int) -> None:
-        j = bisect.bisect_left(self._free, (size, off))
-        _internal_assert(j < len(self._free) and self._free[j] == (size, off), f"free block ({size}, {off}) not indexed")
-        del self._free[j]
-        j = bisect.bisect_left(self._free_at, off)
-        _internal_assert(j < len(self._free_at) and self._free_at[j] == off, f"free block at {off} not indexed")
-        del self._free_at[j]
+        free, free_at = self._free, self._free_at
+        j = bisect.bisect_left(free, (size, off))
+        k = bisect.bisect_left(free_at, off)
+        if j == len(free) or free[j] != (size, off) or k == len(free_at) or free_at[k] != off:
+            _internal_assert(False, f"free block ({size}, {off}) not indexed")
+        del free[j]
+        del free_at[k]
 
     # ----------------------------------------------------------------------------------------- observability
     def snapshot(self) -> list[dict]:
