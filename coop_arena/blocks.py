@@ -21,10 +21,10 @@ Approach:
     free block contains this address": one bisect each, O(log n).
   - The address-ordered columns (`offsets`, `sizes`, `owners`) are derived, cached until the next mutation.
     A read after mutations updates the cached order of ids incrementally: ids that died are dropped with one
-    mask, ids born since are merged in by offset, then the three columns are gathered (O(n) vectorized, once
-    per read, not per mutation). Ids are reused only after a read has dropped them (a dead id still sits in
-    the cached order until then); when the dead ones pile up to half the capacity, a read is forced, so the
-    id space stays within twice the number of blocks.
+    mask, ids born since are merged in by offset, then the sizes and owners are gathered (O(n) vectorized,
+    once per read, not per mutation). An id that dies before a read saw it is reused at once; one that sits
+    in the cached order is reused after the next read has dropped it, and when such dead ids pile up to half
+    the capacity a read is forced, so the id space stays within twice the number of blocks.
 Limitations: inserting into or removing from the sorted free lists moves list pointers after the position (a
   C memmove, no Python loop); a read of the columns after a mutation costs O(n).
 
@@ -66,14 +66,15 @@ class BlockTable:
         self._owner_a = np.zeros(cap, np.int64)
         self._alive_a = np.zeros(cap, np.bool_)
         self._at: dict[int, int] = {}             # offset -> id of the block starting there
-        self._spare: list[int] = []               # dead ids already dropped from the cached order: reusable
-        self._dead: list[int] = []                # ids that died since the last read of the columns
-        self._born: list[int] = []                # ids created since the last read of the columns
+        self._spare: list[int] = []               # ids not in use and not in the cached order: reusable
+        self._dead: list[int] = []                # ids in the cached order that died since the last read
+        self._born: set[int] = set()              # live ids not in the cached order (created since the last read)
         self._free: list[tuple[int, int]] = []    # sorted (size, offset) of free blocks
         self._free_at: list[int] = []             # sorted offsets of free blocks
         self.used_bytes = 0                       # sum of sizes of owned blocks; place/release only
         self._n = 0
         self._order = np.zeros(0, np.int64)       # ids in address order as of the last read
+        self._order_off = np.zeros(0, np.int64)   # their offsets (fixed per id, so valid until the order changes)
         self._cols = None                         # (offsets, sizes, owners) cached, or None after a mutation
         self._new(0, self.usable, FREE, -1, -1)
         self._free_add(self.usable, 0)
@@ -244,7 +245,7 @@ class BlockTable:
         if nxt >= 0:
             self._prev[nxt] = b
         self._at[off] = b
-        self._born.append(b)
+        self._born.add(b)
         self._n += 1
         self._cols = None
         return b
@@ -263,27 +264,32 @@ class BlockTable:
             self._prev[q] = p
         del self._at[self._off[b]]
         self._alive_a[b] = False
-        self._dead.append(b)
+        if b in self._born:  # never in the cached order: reusable at once
+            self._born.discard(b)
+            self._spare.append(b)
+        else:
+            self._dead.append(b)
         self._n -= 1
         self._cols = None
 
     def _columns(self):
         """Bring the cached order of ids up to date and gather the address-ordered columns (Note [Block table])."""
-        order = self._order
+        order, offsets = self._order, self._order_off
         if self._dead:
-            order = order[self._alive_a[order]]  # ids born after the last read are not in it yet
+            keep = self._alive_a[order]
+            order, offsets = order[keep], offsets[keep]
             self._spare.extend(self._dead)
             self._dead = []
         if self._born:
-            alive = self._alive_a
-            born = np.array([b for b in self._born if alive[b]], np.int64)
-            self._born = []
-            if born.size:
-                born = born[self._off_a[born].argsort()]
-                merged = np.concatenate((self._off_a[order], self._off_a[born])).argsort(kind="stable")
-                order = np.concatenate((order, born))[merged]
-        self._order = order
-        cols = (self._off_a[order], self._size_a[order], self._owner_a[order])
+            born = np.fromiter(self._born, np.int64, len(self._born))
+            self._born = set()
+            born_off = self._off_a[born]
+            k = born_off.argsort()
+            merged = np.concatenate((offsets, born_off[k])).argsort(kind="stable")  # two sorted runs: a merge
+            order = np.concatenate((order, born[k]))[merged]
+            offsets = self._off_a[order]
+        self._order, self._order_off = order, offsets
+        cols = (offsets, self._size_a[order], self._owner_a[order])
         for c in cols:
             c.flags.writeable = False  # shared by every reader until the next mutation
         self._cols = cols
@@ -349,6 +355,10 @@ class BlockTable:
         owners = [w for w in own if w != FREE]
         _internal_assert(len(set(owners)) == len(owners), "a storage owns two blocks")
         ida = np.array(ids, np.int64)
+        cached = set(self._order.tolist())
+        _internal_assert(cached | self._born == set(ids) | set(self._dead) and not cached & self._born,
+                         "the cached order, the ids born since and the ids dead since do not add up to the blocks")
+        _internal_assert(not set(self._spare) & (cached | set(ids)), "a reusable id is still in use")
         _internal_assert(bool(self._alive_a[ida].all()) and int(self._alive_a.sum()) == len(ids),
                          "the alive mirror differs from the linked blocks")
         for name, col in (("offsets", off), ("sizes", size), ("owners", own)):
