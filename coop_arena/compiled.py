@@ -7,7 +7,7 @@ Approach: `window` computes exactly what the numpy formulation computes, in the 
   c/s is zeroed at BLOCKED blocks (in place, as the numpy path does), its prefix sums are a running sum from
   the left (np.cumsum is one too), the best left end of each right end is found by a pointer that only moves
   right (the numpy path merges two sorted arrays; both give max{l : offsets[l] <= ends[r] - need}), and the
-  first strict minimum over right ends is taken (np.argmin's first minimum). tests/test_compiled.py checks
+  first strict minimum over right ends is taken (np.argmin's first minimum). tests/test_search_paths.py checks
   that both paths return the same plans bit for bit.
 Limitations: compiled on first use (`cache=True` keeps the machine code in __pycache__, so later processes only
   load it); without numba, or where it fails to import, the numpy path runs (policy.compiled_window).

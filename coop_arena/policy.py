@@ -8,7 +8,8 @@ the only place a plan takes effect.
 - coop: the sliding window. Among all runs of consecutive blocks with no BLOCKED block whose bytes cover the
   request, take the one with the least total c/s (free blocks count zero). For each right end the best left end
   is the shortest covering one (costs are >= 0), found for all right ends at once with prefix sums and one
-  merge of two sorted arrays (Note [Coop window search]): a handful of vectorized passes.
+  merge of two sorted arrays (Note [Coop window search]): a handful of vectorized passes, or one compiled
+  pass where numba is installed.
 - dtr: evict the evictable storage with the least c/(m*s), anywhere, one at a time, until the free run that the
   last victim joined covers the request (address-oblivious: earlier victims elsewhere stay evicted).
 - dte: dtr with m counting the free bytes adjacent on both sides of the storage as well (MegEngine's variant).
@@ -18,9 +19,8 @@ Ties break towards lower addresses, so plans are deterministic (Rule 8).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import heapq
+from dataclasses import dataclass
 
 import numpy as np
 
