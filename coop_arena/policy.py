@@ -20,6 +20,7 @@ Ties break towards lower addresses, so plans are deterministic (Rule 8).
 from __future__ import annotations
 
 import heapq
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -120,7 +121,10 @@ def compiled_window():
     if not _COMPILED:
         try:
             from .compiled import window
-        except ImportError:
+        except ImportError:  # numba is not installed
+            window = None
+        except Exception as e:  # numba is there but cannot serve (for example no writable cache directory)
+            logging.getLogger(__name__).warning("coop window search: numba unusable (%s), using numpy", e)
             window = None
         _COMPILED.append(window)
     return _COMPILED[0]

@@ -9,6 +9,10 @@
 
 from __future__ import annotations
 
+import logging
+import sys
+import types
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -88,6 +92,25 @@ def test_the_dispatcher_takes_the_compiled_search_and_falls_back(monkeypatch):
     monkeypatch.setattr(policy, "_COMPILED", [None])
     plain = coop_window(offsets, sizes, kind, c.copy(), 40 * U)
     assert calls == [1] and fast == plain and len(plain.victims) >= 2
+
+
+def test_an_unusable_numba_falls_back_to_numpy(monkeypatch, caplog):
+    """numba installed but failing on import (here: no cache directory it may write): the numpy search runs, and
+    the reason is logged once."""
+    broken = types.ModuleType("coop_arena.compiled")
+
+    def __getattr__(name):
+        raise RuntimeError("cannot cache function 'window': no locator available for file 'compiled.py'")
+
+    broken.__getattr__ = __getattr__
+    monkeypatch.setitem(sys.modules, "coop_arena.compiled", broken)
+    monkeypatch.setattr(policy, "_COMPILED", [])
+    with caplog.at_level(logging.WARNING, logger="coop_arena.policy"):
+        assert policy.compiled_window() is None
+    assert "numba unusable (cannot cache function" in caplog.text
+    offsets, sizes = np.array([0, U, 3 * U]), np.array([U, 2 * U, U])
+    plan = coop_window(offsets, sizes, np.array([EVICTABLE] * 3, np.int8), np.array([1.0, 0.5, 2.0]), 2 * U)
+    assert plan == EvictionPlan((1,), U, 3 * U, 0.5, "coop")
 
 
 # ------------------------------------------------------------------------------------------------- dtr / dte
