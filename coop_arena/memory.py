@@ -426,8 +426,7 @@ class Memory:
             self._evict(v)
         if moves:
             self._relocate(moves)
-        i = int(np.searchsorted(table.offsets, plan.start, side="right")) - 1
-        o, size, owner = table.block(i)
+        o, size, owner = table.block_at(plan.start)
         _internal_assert(owner == _FREE_OWNER and o + size >= plan.end and size >= need,
                          f"after applying {plan}, block {o}+{size} (owner {owner}) does not cover the range")
         return o
