@@ -91,7 +91,8 @@ class _Mode(TorchDispatchMode):
 
 class Budget:
     def __init__(self, nbytes: int, *, device=None, policy: str = "coop", partition: bool = True,
-                 recomputable_inplace: bool = True, alignment: int = 512, cheap_density: float = 4.0,
+                 recomputable_inplace: bool = True, alignment: int = 512, cheap_density: float | None = None,
+                 cheap_fraction: float = 0.3,
                  trace_len: int = 10_000, max_overhead: float | None = None, relocate: bool = True,
                  backend: str = "torch"):
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
@@ -113,7 +114,8 @@ class Budget:
         self.policy = policy
         self.recomputable_inplace = recomputable_inplace
         self.memory = Memory(nbytes, policy=policy, partition=partition, alignment=alignment,
-                             cheap_density=cheap_density, trace_len=trace_len, relocate=relocate)
+                             cheap_density=cheap_density, cheap_fraction=cheap_fraction, trace_len=trace_len,
+                             relocate=relocate)
         try:
             self.arena = Arena(nbytes, self.device, self.memory.table.usable, backend=backend)
         except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError

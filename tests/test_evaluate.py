@@ -49,7 +49,7 @@ def test_evaluate_quick_end_to_end(tmp_path):
                        for r in fits)
             assert all(r["compute_overhead"] == 1.0 for r in fits if r["rematerializations"] == 0)
             assert all(r["peak_bytes"] <= r["budget"] for r in fits)
-    assert [t["target"] for t in results["targets"]][0].startswith("coop's overhead")
+    assert [t["target"] for t in results["targets"]][0].startswith("coop's overhead <= min(dtr, dte)")
     summary = (out / "summary.md").read_text()
     assert "| mlp | 8 |" in summary and "Targets:" in summary
     for fig in ("overhead.png", "search_fragmentation.png"):
@@ -90,23 +90,31 @@ def test_refinement_bisects_the_edge():
 
 
 def test_targets_are_decided_by_the_numbers():
-    def model(kind, lb, coop, dtr):
+    def model(kind, lb, **configs):
         runs = {}
-        for name, pts in (("coop", coop), ("dtr", dtr)):
+        for name, pts in configs.items():
             rs = [{"ratio": r, "fits": o is not None, "compute_overhead": o} for r, o in pts]
             runs[name] = {"runs": rs, "smallest_ratio": min((r for r, o in pts if o is not None), default=None)}
         return {"kind": kind, "lower_bound_ratio": lb, "runs": runs}
-    results = {"sweep": {"configs": ["coop", "dtr"]}, "models": {
-        "a": model("cnn", 0.2, [(1.0, 1.0), (0.5, 1.04), (0.3, 1.2), (0.2, 1.9)], [(1.0, 1.0), (0.5, 1.3), (0.4, None)]),
-        "b": model("rnn", 0.1, [(1.0, 1.0), (0.5, 1.5), (0.3, None)], [(1.0, 1.0), (0.5, 1.4), (0.3, None)]),
-        "c": model("cnn", 0.1, [(1.0, 1.0), (0.5, None)], [(1.0, 1.0), (0.5, 1.02), (0.4, None)])}}
-    t = {x["target"].split(" on ")[0].split(" at every")[0]: x for x in check_targets(results)}
-    assert [x["met"] for x in check_targets(results)] == [False, True, False, False, False]
-    assert t["coop's overhead <= dtr's and dte's"]["detail"] == ("b@0.5: coop 1.500x > dtr 1.400x; "
-                                                                "c@0.5: coop does not fit, dtr 1.020x")
-    assert "a 2.50x, b 1.00x, c 0.50x" in t["coop's smallest feasible ratio >= 2x lower than the best baseline's"]["detail"]
-    assert t["coop's overhead at ratio 0.5 <= 1.05x"]["detail"] == "c: does not fit"
-    assert t["coop's overhead at ratio 0.3 <= 1.25x"]["detail"] == "c: does not fit"  # a fits at 1.2x
+    results = {"sweep": {"configs": ["coop", "dtr", "dte"], "step": 0.1}, "models": {
+        "a": model("cnn", 0.1, coop=[(1.0, 1.0), (0.5, 1.04), (0.4, 1.1), (0.3, 1.2), (0.2, 1.9)],
+                   dtr=[(1.0, 1.0), (0.5, 1.3), (0.4, None)], dte=[(1.0, 1.0), (0.5, 1.03), (0.45, 1.05), (0.4, None)]),
+        "b": model("rnn", 0.1, coop=[(1.0, 1.0), (0.5, 1.5), (0.3, None)], dtr=[(1.0, 1.0), (0.5, 1.4), (0.3, None)],
+                   dte=[(1.0, 1.0), (0.3, None)]),
+        "c": model("cnn", 0.1, coop=[(1.0, 1.0), (0.5, None)], dtr=[(1.0, 1.0), (0.5, 1.02), (0.4, None)],
+                   dte=[(1.0, 1.0), (0.4, 1.3)])}}
+    targets = check_targets(results)
+    assert [x["met"] for x in targets] == [False, False, False, False, False]
+    t = {x["target"].split(" at every")[0].split(" on every")[0].split(":")[0]: x["detail"] for x in targets}
+    # a@0.45 was not run for coop but lies between ratios where it fits: not a miss; b is 7 % worse
+    assert t["coop's overhead <= min(dtr, dte) + 2%"] == ("b@0.5: coop 1.500x > 1.400x; "
+                                                         "c@0.5: coop does not fit, best baseline 1.020x; "
+                                                         "c@0.4: coop does not fit, best baseline 1.300x")
+    assert t["no cliff"] == "a@0.2: 1.900x vs 1.200x at +0.1"
+    assert t["coop's smallest feasible ratio <= dte's"] == "c: coop 1.0 vs dte 0.4"
+    assert t["coop's smallest feasible ratio within 2x of the lower bound"] == (
+        "b: 0.5 vs lower bound 0.100; c: 1.0 vs lower bound 0.100")
+    assert t["coop's overhead at ratio 0.5 <= 1.10x"] == "c: does not fit"  # a fits at 1.04x; b is no CNN
 
 
 # ------------------------------------------------------------------------------------------------ thrashing
