@@ -25,7 +25,8 @@ Approach: storages whose wrappers are gone are dropped first (a cycle collection
   still has wrappers, since reference cycles are what keeps finished graphs alive); what the user still holds is
   copied out of the arena, resident storages first; evicted ones are replayed (counted in
   `exit_rematerializations`) only when the block ends normally. When an exception leaves the block, nothing is
-  replayed: evicted storages are dropped and raise TensorLost on use, so the block ends at once.
+  replayed: evicted storages are dropped and raise TensorLost on use, so the block ends at once. So do the outputs
+  an op had placed before it failed (freed with the error, but their wrappers may live on in its traceback).
 """
 
 from __future__ import annotations
@@ -142,18 +143,20 @@ class Lifetime:
         for s in live:
             d = s.payload
             try:
+                if s.state is State.FREED:  # an output of an op that failed, still held by the error's traceback
+                    raise _Dropped("was freed when the op that made it failed")
                 if s.state is State.EVICTED:
                     if failed:
-                        raise _Dropped()
+                        raise _Dropped("was evicted when its Budget ended and the block ended with an error before "
+                                       "it could be copied out")
                     before = self.counters.rematerializations
                     remat.restore(s)
                     self.counters.exit_rematerializations += self.counters.rematerializations - before
                 d.detached = self.arena.bytes(s.offset, s.nbytes).clone()
             except (CoopArenaError, _Dropped) as e:
                 self.counters.dropped += 1
-                why = ("the block ended with an error before it could be copied out" if isinstance(e, _Dropped)
-                       else f"it could not be restored: {e}")
-                d.lost = f"storage {s.sid} was evicted when its Budget ended and {why}"
+                d.lost = f"storage {s.sid} " + (str(e) if isinstance(e, _Dropped) else
+                                                f"was evicted when its Budget ended and it could not be restored: {e}")
         for s in live:
             s.payload.runtime = None
             s.payload.recipe = None
