@@ -23,10 +23,11 @@ Rationale: after backward, most wrappers are held only by the finished autograd 
   restoring every evicted storage that still has a wrapper, to copy it out, replays work nobody will read.
 Approach: storages whose wrappers are gone are dropped first (a cycle collection runs first when an evicted storage
   still has wrappers, since reference cycles are what keeps finished graphs alive); what the user still holds is
-  copied out of the arena, resident storages first; evicted ones are replayed (counted in
-  `exit_rematerializations`) only when the block ends normally. When an exception leaves the block, nothing is
-  replayed: evicted storages are dropped and raise TensorLost on use, so the block ends at once. So do the outputs
-  an op had placed before it failed (freed with the error, but their wrappers may live on in its traceback).
+  copied out of the arena, resident storages first, and each live wrapper takes its copy as its real storage (Note
+  [Escaped tensors] in tensor.py); evicted ones are replayed (counted in `exit_rematerializations`) only when the
+  block ends normally. When an exception leaves the block, nothing is replayed: evicted storages are dropped and
+  raise TensorLost on use, so the block ends at once. So do the outputs an op had placed before it failed (freed
+  with the error, but their wrappers may live on in its traceback).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import torch
 from .errors import CoopArenaError
 from .recipe import dead_ref, plain_dispatch
 from .storage import State, Storage
-from .tensor import Tensor
+from .tensor import Tensor, adopt
 
 
 class _WrapperRef(weakref.ref):
@@ -157,6 +158,10 @@ class Lifetime:
                 self.counters.dropped += 1
                 d.lost = f"storage {s.sid} " + (str(e) if isinstance(e, _Dropped) else
                                                 f"was evicted when its Budget ended and it could not be restored: {e}")
+        for ref in list(self._refs.values()):  # See Note [Escaped tensors] in tensor.py
+            t, d = ref(), ref.cell.storage.payload
+            if t is not None and d.detached is not None:
+                adopt(t, d.detached)
         for s in live:
             s.payload.runtime = None
             s.payload.recipe = None
