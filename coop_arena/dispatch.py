@@ -215,6 +215,8 @@ class Dispatch:
             out = aten.as_strided.default(plain, rest[0], rest[1], offset)
             return self._wrap_alias(out, call.inputs, call.func)
         out = call.func(*call.pargs, **call.pkwargs)
+        if call.func is aten.detach.default and not isinstance(call.args[0], Tensor):
+            return out  # a raw view's detach stays raw: C++ readers (numpy()) detach it, then read the pointer
         if isinstance(out, torch.Tensor):
             return self._wrap_alias(out, call.inputs, call.func) if self.arena.owns(out) else out
         return type(out)(self._wrap_alias(o, call.inputs, call.func)

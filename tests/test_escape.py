@@ -244,6 +244,21 @@ def test_escaped_tensors_of_one_storage_share_their_copy():
     assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # saved once, loaded as views
 
 
+def test_raw_memory_through_pinned_inside_the_block():
+    """What RawMemoryError points to: pinned() hands out raw arena bytes that numpy and DLPack share."""
+    budget = coop_arena.Budget(BUDGET, device="cpu")
+    with budget:
+        t = X * 2
+        with pytest.raises(coop_arena.RawMemoryError, match=r"coop_arena\.pinned\(t\)"):
+            t.numpy()
+        with coop_arena.pinned(t) as raw:
+            a, d = raw.numpy(), torch.from_dlpack(raw)
+            assert a.ctypes.data == raw.data_ptr() == d.data_ptr()
+            assert raw.untyped_storage()._cdata == budget.arena.key
+            a[0, 0] = -1.0
+        assert t[0, 0].item() == -1.0
+
+
 def test_output_of_a_failed_op_is_lost_and_the_error_is_kept():
     """sort places its values, then cannot place its indices: the values' wrapper, freed with the error but still
     held by its traceback, ends the block as lost, and the OutOfBudget is what leaves the block."""
