@@ -158,10 +158,9 @@ class Lifetime:
                 self.counters.dropped += 1
                 d.lost = f"storage {s.sid} " + (str(e) if isinstance(e, _Dropped) else
                                                 f"was evicted when its Budget ended and it could not be restored: {e}")
-        for ref in list(self._refs.values()):  # See Note [Escaped tensors] in tensor.py
-            t, d = ref(), ref.cell.storage.payload
-            if t is not None and d.detached is not None:
-                adopt(t, d.detached)
+        copies = {s.sid: s.payload.detached.untyped_storage() for s in live if s.payload.detached is not None}
+        adopt([(t, copies[ref.cell.storage.sid]) for ref in list(self._refs.values())  # Note [Escaped tensors]
+               if ref.cell.storage.sid in copies and (t := ref()) is not None])
         for s in live:
             s.payload.runtime = None
             s.payload.recipe = None
