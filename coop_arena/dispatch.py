@@ -215,8 +215,12 @@ class Dispatch:
             out = aten.as_strided.default(plain, rest[0], rest[1], offset)
             return self._wrap_alias(out, call.inputs, call.func)
         out = call.func(*call.pargs, **call.pkwargs)
-        if call.func is aten.detach.default and not isinstance(call.args[0], Tensor):
-            return out  # a raw view's detach stays raw: C++ readers (numpy()) detach it, then read the pointer
+        if call.func is aten.detach.default:  # detach keeps its input's kind
+            x = call.args[0]
+            if not isinstance(x, Tensor):
+                return out  # a raw view's stays raw: C++ readers (numpy()) detach it, then read the pointer
+            if not x._inside():
+                return x._alias()  # an escaped tensor's stays a coop_arena.Tensor, as outside a block
         if isinstance(out, torch.Tensor):
             return self._wrap_alias(out, call.inputs, call.func) if self.arena.owns(out) else out
         return type(out)(self._wrap_alias(o, call.inputs, call.func)

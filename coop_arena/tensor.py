@@ -16,7 +16,7 @@ Approach: at block exit every live wrapper is given its storage's plain copy as 
   that PyTorch refuses for subclasses are methods below that call the same method on a plain tensor over the same
   bytes, with the same requires_grad (and nn.Parameter-ness), so PyTorch's own checks and formats apply. Paths
   that copy hand out plain tensors: copy.copy, copy.deepcopy, pickle and torch.load give a `torch.Tensor` (or an
-  `nn.Parameter`). `detach` keeps the type, as PyTorch asks of a subclass (`nn.Parameter(t)` needs it).
+  `nn.Parameter`). `detach` keeps the type, as PyTorch asks of a subclass (`nn.Parameter(t)` needs it), in a later block too.
   Inside the block the bytes live in the arena, where any op may evict or move them. Paths that only read values
   (tolist, repr, format, pickling, deepcopy, numpy(force=True), __array__, __dlpack__(copy=True)) restore the
   storage and read or copy it at once with dispatch disabled, so nothing runs in between that could evict it;
@@ -74,11 +74,7 @@ class Tensor(torch.Tensor):
         # Reached only when no Budget is active: the op runs on plain tensors and returns plain tensors, except
         # detach, which keeps the type (See Note [Escaped tensors]).
         if func is aten.detach.default and not args[0]._inside():
-            t = args[0]
-            plain = t.as_plain()
-            out = Tensor(t._cell, t.size(), t.stride(), t.storage_offset(), t.dtype, t.device)
-            adopt([(out, plain.untyped_storage())])
-            return out
+            return args[0]._alias()
         unwrap = lambda x: x.as_plain() if isinstance(x, Tensor) else x
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
 
@@ -110,6 +106,14 @@ class Tensor(torch.Tensor):
                 plain = torch.empty(0, dtype=self.dtype, device=self.device).set_(
                     storage, self.storage_offset(), self.size(), self.stride())
         return self._plain(plain)
+
+    def _alias(self) -> Tensor:
+        """Another wrapper over this escaped tensor's copy: its detach (PyTorch asks a subclass's detach to keep the
+        type; nn.Parameter(t) needs it)."""
+        storage = self.as_plain().untyped_storage()
+        out = Tensor(self._cell, self.size(), self.stride(), self.storage_offset(), self.dtype, self.device)
+        adopt([(out, storage)])
+        return out
 
     def _raw(self, what: str, instead: str = "") -> torch.Tensor:
         """A plain tensor sharing these bytes, for a path that hands out raw memory: refused inside the block."""
