@@ -12,11 +12,12 @@ Rationale: a wrapper that outlives its block (`loss`, logits, a kept activation)
   wherever a plain tensor of its dtype, shape, strides and device works, including the paths that do not go
   through aten dispatch (C++ that reads the storage, tolist, numpy, pickling, copying, DLPack).
 Approach: at block exit every live wrapper is given its storage's plain copy as its own storage (`adopt`, called by
-  Lifetime.finish), so data_ptr, untyped_storage and C++ readers (DLPack, DDP's reducer) see real memory. The paths
-  that PyTorch refuses for subclasses are methods below that call the same method on a plain tensor over the same
-  bytes, with the same requires_grad (and nn.Parameter-ness), so PyTorch's own checks and formats apply. Paths
-  that copy hand out plain tensors: copy.copy, copy.deepcopy, pickle and torch.load give a `torch.Tensor` (or an
-  `nn.Parameter`). `detach` keeps the type, as PyTorch asks of a subclass (`nn.Parameter(t)` needs it), in a later block too.
+  Lifetime.finish), so data_ptr, untyped_storage and C++ code that reads the storage (DDP's reducer) see real
+  memory. The paths that PyTorch refuses for subclasses are methods below that call the same method on a plain
+  tensor over the same bytes, with the same requires_grad (and nn.Parameter-ness), so PyTorch's own checks and
+  formats apply. Paths that copy hand out plain tensors: copy.copy, copy.deepcopy, pickle and torch.load give a
+  `torch.Tensor` (or an `nn.Parameter`). `detach` keeps the type, as PyTorch asks of a subclass (`nn.Parameter(t)`
+  needs it), in a later block too.
   Inside the block the bytes live in the arena, where any op may evict or move them. Paths that only read values
   (tolist, repr, format, pickling, deepcopy, numpy(force=True), __array__, __dlpack__(copy=True)) restore the
   storage and read or copy it at once with dispatch disabled, so nothing runs in between that could evict it;
