@@ -13,7 +13,7 @@ KERNEL_ENV := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/d
 EVAL_VENV := .venv-eval
 EVAL_PY   := $(EVAL_VENV)/bin/python
 
-.PHONY: demo test bench evaluate evaluate-quick gpu-check clean
+.PHONY: demo test bench chain evaluate evaluate-quick gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -40,6 +40,10 @@ bench: $(VENV)/.installed
 		--benchmark-json=bench/results/step_time.json
 	$(PY) bench/report.py step_time bench/results/step_time.json > bench/results/step_time.md
 	$(KERNEL_ENV) $(PY) -m pytest -q bench/test_kernels_bench.py --benchmark-only
+
+# The linear chain against its optimal checkpointing schedule: bench/results/chain.md (a few minutes).
+chain: $(VENV)/.installed
+	$(PY) -m bench.chain
 
 # The paper's evaluation: nine models, every policy and ablation, dry runs on meta (about 30 minutes on 2 cores).
 evaluate: $(EVAL_VENV)/.installed

@@ -55,6 +55,10 @@ class BudgetStats:
     relocated_bytes: int = 0   # their bytes; each costs a read and a write in compute_overhead
     exit_rematerializations: int = 0  # replays at block exit, to copy out what the user still holds
     dropped: int = 0           # storages given up at exit after an error (TensorLost on use)
+    placed_bytes: int = 0      # output bytes written into the arena, replays included
+    temporary_bytes: int = 0   # of those, bytes computed into a temporary first (no out= kernel) and copied in
+    temporary_peak: int = 0    # largest temporaries alive at once, outside the arena: the device footprint is
+                               # nbytes + temporary_peak
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -111,7 +115,7 @@ class Budget:
         self.memory.reset()
         self._runtime = Runtime(self.memory, self.arena, recomputable_inplace=self.recomputable_inplace,
                                 max_overhead=self.max_overhead)
-        self._mode = _Mode(self._runtime)
+        self._mode = self._runtime.mode = _Mode(self._runtime)
         self._mode.__enter__()
         _active.budget = self
         return self
@@ -144,7 +148,8 @@ class Budget:
             fragmentation=m.fragmentation, unevictable_bytes=c.unevictable_peak, frozen=c.frozen,
             lower_bound=c.working_set_peak + c.unevictable_peak, relocations=m.relocations,
             relocated_bytes=m.relocated_bytes, exit_rematerializations=c.exit_rematerializations,
-            dropped=c.dropped)
+            dropped=c.dropped, placed_bytes=c.placed_bytes, temporary_bytes=c.temporary_bytes,
+            temporary_peak=c.temporary_peak)
 
     # ----------------------------------------------------------------------------------------- observability
     @property

@@ -28,12 +28,11 @@ import weakref
 import numpy as np
 import torch
 
-from . import ops
+from . import ops, placement
 from .cost import op_cost
 from .errors import BudgetUsageError, UnsupportedOp, _internal_assert
 from .recipe import ArgRef, Data, Recipe, capture_rng, dead_ref, plain_dispatch
-from .remat import contiguous_strides
-from .storage import Storage, add_consumer
+from .storage import Storage
 from .tensor import Tensor
 
 aten = torch.ops.aten
@@ -51,12 +50,6 @@ class _Call:
     def __init__(self, func, op, args, kwargs, leaves, spec):
         self.func, self.op, self.args, self.kwargs, self.leaves, self.spec = func, op, args, kwargs, leaves, spec
         self.inputs: list[Storage] = []
-
-
-def _span_bytes(size, stride, offset: int, itemsize: int) -> int:
-    if any(n == 0 for n in size):
-        return 0
-    return (offset + 1 + sum((n - 1) * st for n, st in zip(size, stride))) * itemsize
 
 
 class Dispatch:
@@ -95,40 +88,47 @@ class Dispatch:
             pins = self.remat.acquire(call.inputs, str(func))
             for s in call.inputs:
                 memory.touch(s)
-            memory.may_relocate = False  # raw views of the inputs are live until the op has run
-            plain, recorded = list(leaves), list(leaves)
-            for i, x in enumerate(leaves):
-                if i in owner:
-                    s = owner[i]
-                    offset = x.storage_offset()
-                    if not isinstance(x, Tensor):  # a raw view: its offset counts from the arena's start
-                        offset -= s.offset // x.element_size()
-                    size, stride = tuple(x.size()), tuple(x.stride())
-                    plain[i] = self.arena.view(s.offset, x.dtype, size, stride, offset)
-                    recorded[i] = ArgRef(s, s.payload.version, x.dtype, size, stride, offset)
-                elif isinstance(x, torch.Tensor):  # See Rule 1: read, never moved
-                    p = x.as_plain() if isinstance(x, Tensor) else x
-                    if p.device != self.device and p.dim() > 0:
-                        raise BudgetUsageError(
-                            f"{func} got a tensor on {p.device}, but this Budget's arena is on {self.device}; "
-                            f"move the model and its inputs to {self.device} before entering the Budget")
-                    plain[i] = recorded[i] = p
-                    lifetime.watch_leaf(x)
-            call.plain, call.recorded = plain, recorded
-            call.pargs, call.pkwargs = ops.unflatten(plain, spec)
             if op.written:
+                self._bind(call, owner)
                 return self._run_write(call)
             if op.returns_alias:
+                self._bind(call, owner)
                 return self._run_view(call)
-            return self._run_functional(call)
+            return self._run_functional(call, owner)
         finally:
             memory.may_relocate = True
             self.remat.release(pins)
             if lifetime.dead:
                 lifetime.drain()
 
+    def _bind(self, call: _Call, owner: dict) -> None:
+        """Plain tensors for the op to run on (arena views of its inputs) and the arguments its recipe records.
+        From here until the op has run, the inputs' views are live: nothing may move (Note [Relocation])."""
+        self.memory.may_relocate = False
+        leaves = call.leaves
+        plain, recorded = list(leaves), list(leaves)
+        for i, x in enumerate(leaves):
+            if i in owner:
+                s = owner[i]
+                offset = x.storage_offset()
+                if not isinstance(x, Tensor):  # a raw view: its offset counts from the arena's start
+                    offset -= s.offset // x.element_size()
+                size, stride = tuple(x.size()), tuple(x.stride())
+                plain[i] = self.arena.view(s.offset, x.dtype, size, stride, offset)
+                recorded[i] = ArgRef(s, s.payload.version, x.dtype, size, stride, offset)
+            elif isinstance(x, torch.Tensor):  # See Rule 1: read, never moved
+                p = x.as_plain() if isinstance(x, Tensor) else x
+                if p.device != self.device and p.dim() > 0:
+                    raise BudgetUsageError(
+                        f"{call.func} got a tensor on {p.device}, but this Budget's arena is on {self.device}; "
+                        f"move the model and its inputs to {self.device} before entering the Budget")
+                plain[i] = recorded[i] = p
+                self.lifetime.watch_leaf(x)
+        call.plain, call.recorded = plain, recorded
+        call.pargs, call.pkwargs = ops.unflatten(plain, call.spec)
+
     def _execute(self, call: _Call):
-        """Run the op on plain tensors; returns (outputs, output leaves, recipe)."""
+        """Run an op that writes its arguments on plain tensors; returns (outputs, output leaves, recipe)."""
         rng = capture_rng(self.device, call.op.random, call.pkwargs)
         out = call.func(*call.pargs, **call.pkwargs)
         out_leaves = list(out) if isinstance(out, (tuple, list)) else [out]
@@ -145,54 +145,152 @@ class Dispatch:
         self.memory.advance(cost)
 
     # ---------------------------------------------------------------------------------------- functional
-    def _run_functional(self, call: _Call):
-        func, op = call.func, call.op
-        externals = [(pos, t) for pos, name, _ in op.tensor_args
+    def _run_functional(self, call: _Call, owner: dict):
+        """See Note [Direct placement] in placement.py."""
+        plan = placement.plan_for(call.func, call.op, call.args, call.kwargs, self.device.type)
+        if plan is not None and plan.aliases:
+            self._bind(call, owner)
+            return self._run_view(call)
+        if plan is not None and (plan.out_op is not None or call.op.uninitialized):
+            return self._run_direct(call, owner, plan)
+        if self.runtime.mode is not None and placement.decomposes(call.func, call.op, self.device.type):
+            return self._run_decomposed(call)
+        self._bind(call, owner)
+        return self._run_temporary(call, plan)
+
+    def _run_decomposed(self, call: _Call):
+        """Run the op's composite kernel with this Budget's mode active again, so each op it calls is placed,
+        recorded and recomputed on its own (placement.decomposes). Below autograd, as the op itself runs."""
+        with self.runtime.mode, torch._C._AutoDispatchBelowADInplaceOrView():
+            return call.func.redispatch(placement.backend_keyset(self.device.type), *call.args, **call.kwargs)
+
+    def _externals(self, call: _Call):
+        """(position, tensor) of the op's tensor arguments that live outside the arena, and how it writes them
+        (positions, or None before the first call of this configuration)."""
+        externals = [(pos, t) for pos, name, _ in call.op.tensor_args
                      if isinstance(t := ops.arg(call.pargs, call.pkwargs, pos, name, False), torch.Tensor)
                      and not self.arena.owns(t)]
-        key, probe, written = None, None, ()
-        if externals and self.device.type != "meta":
-            key = (func, repr([a for a in call.plain if not isinstance(a, torch.Tensor)]))
-            written = _UNMARKED_WRITES.get(key)
-            if written is None:  # first call of this op and configuration: look for writes the schema hides
-                probe = [(pos, t, t._version, t.clone()) for pos, t in externals]
-        out, out_leaves, recipe = self._execute(call)
-        self.memory.may_relocate = True  # the op has run: its inputs' views are dead, they may move
-        if probe is not None:
-            written = _UNMARKED_WRITES[key] = frozenset(
-                pos for pos, t, v, before in probe if t._version != v or not torch.equal(t, before))
-        evictable = not op.effectful
-        for pos, t in externals:  # See Rule 5: writes into external tensors the schema does not mark
+        if not externals or self.device.type == "meta":
+            return externals, None, frozenset()
+        key = (call.func, repr([a for a in call.plain if not isinstance(a, torch.Tensor)]))
+        return externals, key, _UNMARKED_WRITES.get(key)
+
+    def _hidden_writes(self, call: _Call, recipe: Recipe, externals, written) -> bool:
+        """See Rule 5: writes into external tensors the schema does not mark. Returns whether the outputs stay
+        evictable."""
+        evictable = not call.op.effectful
+        for pos, t in externals:
             if pos in written:
                 self._freeze_readers_of_external(t)
-                optional = any(p == pos and opt for p, _, opt in op.tensor_args)
+                optional = any(p == pos and opt for p, _, opt in call.op.tensor_args)
                 if optional and pos < len(recipe.args):
                     recipe.without_arg(pos)
                 else:
                     evictable = False
+        return evictable
+
+    def _run_direct(self, call: _Call, owner: dict, plan):
+        """Outputs placed first, then the op's out= variant writes into them (or, for uninitialized memory,
+        nothing does)."""
+        func, memory = call.func, self.memory
         placed = []
         try:
-            for j, o in enumerate(out_leaves):
-                if isinstance(o, torch.Tensor) and o.device == self.device and o.numel() > 0:
-                    out_leaves[j] = self._place_output(o, recipe, j, call.inputs, evictable, func, placed)
+            for spec in plan.outputs:
+                placed.append(memory.allocate(spec.nbytes, plan.cost, evictable=not call.op.effectful,
+                                              inputs=call.inputs, pinned=True, op=str(func)) if spec.nbytes else None)
+            self._bind(call, owner)
+            externals, key, written = self._externals(call)
+            probe = None
+            if written is None:  # first call of this op and configuration: look for writes the schema hides
+                probe = [(pos, t, t._version, t.clone()) for pos, t in externals]
+            views = [self.arena.view(s.offset, o.dtype, o.size, o.stride, 0) if s is not None
+                     else torch.empty(o.size, dtype=o.dtype, device=self.device) for s, o in zip(placed, plan.outputs)]
+            rng = capture_rng(self.device, call.op.random, call.pkwargs)
+            if plan.out_op is not None:  # else uninitialized memory (the empty family): nothing to write
+                plan.out_op(*call.pargs, **call.pkwargs, **dict(zip(plan.out_names, views)))
+            memory.may_relocate = True
+            self._account(plan.cost)
+            if probe is not None:
+                written = _UNMARKED_WRITES[key] = frozenset(
+                    pos for pos, t, v, before in probe if t._version != v or not torch.equal(t, before))
+            rargs, rkwargs = ops.unflatten(call.recorded, call.spec)
+            recipe = Recipe.make(func, rargs, rkwargs, rng, plan.cost, uninitialized=call.op.uninitialized,
+                                 grad_mode=torch.is_grad_enabled(), direct=plan)
+            evictable = self._hidden_writes(call, recipe, externals, written)
+            results = []
+            for j, (s, o, v) in enumerate(zip(placed, plan.outputs, views)):
+                if s is None:
+                    results.append(v)
+                    continue
+                s.payload = Data(self.runtime, dead_ref, recipe, j)
+                if not s.evictable:
+                    self.counters.count_unevictable(memory.table.round_up(s.nbytes), +1)
+                    s.payload.recipe = None
+                elif not evictable:
+                    self.remat.make_unevictable(s)
+                results.append(self.lifetime.wrap(s, o.dtype, o.size, o.stride, 0))
+            self.counters.count_placed(sum(o.nbytes for o in plan.outputs), 0, 0)
         except BaseException:
             for s in placed:
-                self.memory.unpin(s)
-                self.lifetime.forget(s)
+                if s is not None:
+                    memory.unpin(s)
+                    self.lifetime.forget(s)
             raise
+        placed = [s for s in placed if s is not None]
+        self._placed(call, placed)
+        return tuple(results) if len(plan.outputs) > 1 else results[0]
+
+    def _placed(self, call: _Call, placed) -> None:
         for s in placed:
             self.memory.unpin(s)
         table = self.memory.table
         ws = sum(table.round_up(s.nbytes) for s in call.inputs) + sum(table.round_up(s.nbytes) for s in placed)
         self.counters.working_set_peak = max(self.counters.working_set_peak, ws)
         self._note_external_reads(call.recorded, placed)
+
+    def _run_temporary(self, call: _Call, plan):
+        """The op computes its outputs into temporaries; each is copied into its own range at once."""
+        func = call.func
+        externals, key, written = self._externals(call)
+        probe = None
+        if written is None:
+            probe = [(pos, t, t._version, t.clone()) for pos, t in externals]
+        rng = capture_rng(self.device, call.op.random, call.pkwargs)
+        out = func(*call.pargs, **call.pkwargs)
+        out_leaves = list(out) if isinstance(out, (tuple, list)) else [out]
+        cost = plan.cost if plan is not None else op_cost(call.op.flops, call.pargs, call.pkwargs, call.plain,
+                                                          out_leaves, out)
+        self._account(cost)
+        self.memory.may_relocate = True  # the op has run: its inputs' views are dead, they may move
+        if probe is not None:
+            written = _UNMARKED_WRITES[key] = frozenset(
+                pos for pos, t, v, before in probe if t._version != v or not torch.equal(t, before))
+        rargs, rkwargs = ops.unflatten(call.recorded, call.spec)
+        recipe = Recipe.make(func, rargs, rkwargs, rng, cost, uninitialized=call.op.uninitialized,
+                             grad_mode=torch.is_grad_enabled())
+        evictable = self._hidden_writes(call, recipe, externals, written)
+        placed, temporary, alive = [], 0, 0
+        try:
+            for j, o in enumerate(out_leaves):
+                if isinstance(o, torch.Tensor) and self.arena.owns(o):  # it aliases an input: a view
+                    out_leaves[j] = self._wrap_alias(o, call.inputs, func)
+                elif isinstance(o, torch.Tensor) and o.device == self.device and o.numel() > 0:
+                    alive += o.numel() * o.element_size()
+                    out_leaves[j] = self._place_output(o, recipe, j, call.inputs, evictable, func, placed)
+                    temporary += o.numel() * o.element_size()
+        except BaseException:
+            for s in placed:
+                self.memory.unpin(s)
+                self.lifetime.forget(s)
+            raise
+        self.counters.count_placed(temporary, temporary, alive)
+        self._placed(call, placed)
         return tuple(out_leaves) if isinstance(out, tuple) else (out_leaves if isinstance(out, list) else out_leaves[0])
 
     def _place_output(self, o, recipe, index, inputs, evictable, func, placed):
-        size, stride = tuple(o.size()), tuple(o.stride())
-        if not ops.dense(size, stride):
-            stride = contiguous_strides(size)
-        nbytes = _span_bytes(size, stride, 0, o.element_size())
+        size = tuple(o.size())
+        stride = placement.layout(size, o.stride())
+        nbytes = placement.span_bytes(size, stride, o.element_size())
         s = self.memory.allocate(nbytes, recipe.cost, evictable=evictable, inputs=inputs, pinned=True, op=str(func))
         placed.append(s)
         s.payload = Data(self.runtime, dead_ref, recipe if evictable else None, index)
@@ -215,6 +313,7 @@ class Dispatch:
             out = aten.as_strided.default(plain, rest[0], rest[1], offset)
             return self._wrap_alias(out, call.inputs, call.func)
         out = call.func(*call.pargs, **call.pkwargs)
+        self.memory.may_relocate = True
         if call.func is aten.detach.default:  # detach keeps its input's kind
             x = call.args[0]
             if not isinstance(x, Tensor):
@@ -277,14 +376,15 @@ class Dispatch:
         if not self.recomputable_inplace and targets:
             return self._run_write_cow(call, targets)
         for s in targets:  # See Rule 6
-            self.remat.freeze_readers(s)
+            if len(targets) == 1:
+                self.remat.before_write(s)
+            else:
+                self.remat.freeze_readers(s)
         out, _, recipe = self._execute(call)
         for s in targets:
             if len(targets) == 1 and s.payload.recipe is not None:
                 s.payload.mutations.append(recipe)
-                for b in call.inputs:
-                    if b is not s:
-                        add_consumer(b, s)
+                self.memory.add_write(s, recipe.cost, call.inputs)
             else:  # a write to several storages at once cannot be replayed into one: keep them
                 self.remat.make_unevictable(s)
         self._note_external_reads(call.recorded, targets)
@@ -331,9 +431,7 @@ class Dispatch:
         finally:
             self.memory.unpin(new)
         new.payload.mutations.append(recipe)
-        for b in call.inputs:
-            if b is not old:
-                add_consumer(b, new)
+        self.memory.add_write(new, recipe.cost, [b for b in call.inputs if b is not old])
         self._note_external_reads(call.recorded, [new])
         return self._results_of_write(call, out, [new])
 

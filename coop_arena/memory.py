@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 
 import numpy as np
 
@@ -34,7 +35,7 @@ from .blocks import FREE as _FREE_OWNER
 from .blocks import BlockTable
 from .errors import OutOfBudget, _internal_assert
 from .policy import BLOCKED, EVICTABLE, FREE, POLICIES
-from .storage import State, Storage, add_consumer, neighbourhood_cost, uf_find, uf_union
+from .storage import State, Storage, add_input, dependents, recompute_cost
 from .telemetry import MemoryStats, Trace
 
 
@@ -85,12 +86,14 @@ class Memory:
         self.table = BlockTable(self.table.nbytes, self.table.alignment)
         cap = 64
         self._kind = np.zeros(cap, np.int8)      # per slot+1: FREE (row 0 only), EVICTABLE or BLOCKED
-        self._c = np.zeros(cap, np.float64)      # per slot+1: neighbourhood cost
+        self._c = np.zeros(cap, np.float64)      # per slot+1: recompute cost (storage.py)
         self._last = np.zeros(cap, np.float64)   # per slot+1: last access
         self._slots: list[Storage | None] = []   # slot -> resident storage
         self._free_slots: list[int] = []
         self._next_sid = 0
         self._fixed: dict[int, int] = {}        # sid -> holds of storages that must keep their address
+        self._stale: dict[int, Storage] = {}    # resident storages whose c column is out of date (Note [Recompute
+                                                # cost] in storage.py); refreshed before every plan
         self.clock = 0.0
         self.stats = MemoryStats(budget=self.table.usable)
         self.trace = Trace(self.trace_len)
@@ -113,11 +116,11 @@ class Memory:
             if not isinstance(s, Storage):
                 raise TypeError(f"inputs must be Storage records, got {type(s).__name__}")
         s = Storage(sid=self._next_sid, nbytes=nbytes, cost=cost, evictable=bool(evictable),
-                    expensive=cost >= self.cheap_density * nbytes, state=State.EVICTED, inputs=tuple(inputs))
+                    expensive=cost >= self.cheap_density * nbytes, state=State.EVICTED, inputs=list(inputs))
         self._place(s, op, pinned)  # raises before anything changed
         self._next_sid += 1
         for parent in s.inputs:
-            add_consumer(parent, s)
+            parent.consumers.append(weakref.ref(s))
         self.stats.allocations += 1
         self.trace.add("alloc", s.sid, s.offset, nbytes, self.clock)
         return s
@@ -128,8 +131,7 @@ class Memory:
         if s.state is not State.EVICTED:
             raise ValueError(f"storage {s.sid} is {s.state.value}; only an evicted storage can be restored")
         self._place(s, op, pinned)
-        self._leave_class(s)
-        self._c[s.slot + 1] = neighbourhood_cost(s)  # _place counted its own class, which it has just left
+        self._mark_dependents(s)
         self.stats.restores += 1
         self.trace.add("restore", s.sid, s.offset, s.nbytes, self.clock)
         return s.offset
@@ -153,9 +155,9 @@ class Memory:
         was = s.state
         if was is State.RESIDENT:
             self._release(s)
+        else:
+            self._mark_dependents(s)
         s.state = State.FREED
-        if was is State.EVICTED:
-            self._leave_class(s)
         self.trace.add("free", s.sid, -1, s.nbytes, self.clock)
 
     def pin(self, s: Storage) -> None:
@@ -195,6 +197,29 @@ class Memory:
         if s.state is State.RESIDENT:
             self._last[s.slot + 1] = self.clock
 
+    def add_write(self, s: Storage, cost: float, inputs=()) -> None:
+        """An in-place write to resident `s` joined its recipe: replaying it now costs `cost` more and reads
+        `inputs` too."""
+        self._check_mine(s)
+        if s.state is not State.RESIDENT:
+            raise ValueError(f"storage {s.sid} is {s.state.value}; only a resident storage can be written")
+        self.extend(s, cost, inputs)
+
+    def extend(self, s: Storage, cost: float, inputs=()) -> None:
+        """A replay of `s` now costs `cost` more and reads `inputs` too (its own write, or the rebuilding of an
+        old version of a storage it reads)."""
+        self._check_mine(s)
+        if s.state is State.FREED:
+            raise ValueError(f"storage {s.sid} is freed; a freed storage is never replayed")
+        s.cost += _check_cost(cost)
+        for b in inputs:
+            if b is not s and not any(b is x for x in s.inputs):
+                add_input(s, b)
+        if s.state is State.RESIDENT:
+            self._stale[s.sid] = s
+        else:
+            self._mark_dependents(s)
+
     def make_unevictable(self, s: Storage) -> None:
         self._check_mine(s)
         s.evictable = False
@@ -209,7 +234,8 @@ class Memory:
         return self.table.best_fit(nbytes) is not None
 
     def plan(self, nbytes: int) -> _policy.EvictionPlan | None:
-        """The policy's plan for a request that no free block serves (pure)."""
+        """The policy's plan for a request that no free block serves (pure, but for bringing costs up to
+        date)."""
         return self._plan(self.table.round_up(nbytes))
 
     @property
@@ -235,7 +261,20 @@ class Memory:
         own = self.table.owners
         return self.table.offsets, self.table.sizes, self._kind[own], self._c[own], self._last[own]
 
+    def _refresh_costs(self) -> None:
+        """Every resident storage's c column equals its recompute cost (Note [Recompute cost])."""
+        if self._stale:
+            for s in self._stale.values():
+                if s.state is State.RESIDENT:
+                    self._c[s.slot + 1] = recompute_cost(s)
+            self._stale.clear()
+
+    def _mark_dependents(self, s: Storage) -> None:
+        for d in dependents(s):
+            self._stale[d.sid] = d
+
     def _plan(self, need: int) -> _policy.EvictionPlan | None:
+        self._refresh_costs()
         if self.policy == "coop":
             # coop reads c/s only: computed per slot, then gathered once (the same values as computing it on the
             # gathered c and last). Row 0 (FREE) has c == 0, so free blocks get 0 as coop_window requires.
@@ -270,7 +309,7 @@ class Memory:
         if pinned:
             s.pins += 1
         self._kind[slot + 1] = BLOCKED if (s.pins or not s.evictable) else EVICTABLE
-        self._c[slot + 1] = neighbourhood_cost(s)
+        self._c[slot + 1] = recompute_cost(s)
         self._last[slot + 1] = s.last_access = self.clock
         self.stats.peak_bytes = max(self.stats.peak_bytes, table.used_bytes)
 
@@ -288,6 +327,7 @@ class Memory:
     # Limitations: only when the plain plan fails, only for coop, and only while the runtime holds no raw view
     #   of a resident storage (`may_relocate`). Copies count in the runtime's overhead as 2 x bytes.
     def _relocation_plan(self, need: int, attempts: int = 8):
+        self._refresh_costs()
         table = self.table
         own = table.owners
         k = len(self._slots) + 1
@@ -405,43 +445,8 @@ class Memory:
     def _evict(self, s: Storage) -> None:
         self._release(s)
         s.state = State.EVICTED
-        if s.uf_parent is None:
-            s.uf_parent, s.uf_cost, s.uf_border = s, s.cost, {}
-        else:  # evicted before: it rejoins its old class (see _leave_class)
-            root = uf_find(s)
-            root.uf_cost += s.cost
-        resident = []
-        for nb in s.neighbours():
-            if nb.state is State.EVICTED and nb.uf_parent is not None:
-                uf_union(s, nb)
-            elif nb.state is State.RESIDENT:
-                resident.append(nb)
-        root = uf_find(s)
-        for nb in resident:
-            root.uf_border[nb.sid] = nb
         self.trace.add("evict", s.sid, -1, s.nbytes, self.clock)
-        self._refresh_class(root)
-
-    def _leave_class(self, s: Storage) -> None:
-        """A storage that comes back (restore) or goes for good (free of an evicted one) takes its cost out of
-        its evicted class. Union-find cannot split a class (DTR's approximation), so its node stays in the tree
-        as a link: the other members still reach their root through it, and class membership counts only
-        storages whose state is EVICTED. A restored storage joins the class's border."""
-        if s.uf_parent is not None:
-            root = uf_find(s)
-            root.uf_cost = max(0.0, root.uf_cost - s.cost)
-            if s.state is State.RESIDENT:
-                root.uf_border[s.sid] = s
-            self._refresh_class(root)
-
-    def _refresh_class(self, root: Storage) -> None:
-        """Every resident storage next to a member of `root`'s class gets its neighbourhood cost again."""
-        border = root.uf_border
-        for sid, b in list(border.items()):
-            if b.state is State.RESIDENT:
-                self._c[b.slot + 1] = neighbourhood_cost(b)
-            else:
-                del border[sid]
+        self._mark_dependents(s)
 
     # ----------------------------------------------------------------------------------------- observability
     def snapshot(self) -> list[dict]:
@@ -481,6 +486,10 @@ class Memory:
             _internal_assert(self._last[slot + 1] == s.last_access,
                              f"storage {s.sid}: last column {self._last[slot + 1]}, record {s.last_access}")
             _internal_assert(s.pins >= 0, f"storage {s.sid} has {s.pins} pins")
+            if s.sid not in self._stale:
+                c = recompute_cost(s)
+                _internal_assert(self._c[slot + 1] == c, f"storage {s.sid}: c column {self._c[slot + 1]}, "
+                                                         f"recompute cost {c}")
         owned = int(np.count_nonzero(owners))
         _internal_assert(live == owned, f"{live} resident storages, {owned} owned blocks")
         _internal_assert(sorted(self._free_slots) == [i for i, s in enumerate(self._slots) if s is None],

@@ -108,16 +108,3 @@ def unflatten(leaves: list, spec):
             kwargs[k] = kind(leaves[i : i + n])
             i += n
     return tuple(args), kwargs
-
-
-def dense(size, stride) -> bool:
-    """True when the layout covers its span with no gap and no overlap (any dimension order)."""
-    dims = sorted((st, n) for n, st in zip(size, stride) if n != 1)
-    expected = 1
-    for st, n in dims:
-        if n == 0:
-            return True
-        if st != expected:
-            return False
-        expected *= n
-    return True

@@ -3,8 +3,9 @@
 Rules enforced here (see ../shared DESIGN numbering; Note [Restore plans] below for how):
 3. A recomputation pins every input on its path until it completes; intermediates restored only to rebuild a
    needed storage are released as soon as what read them is rebuilt.
-6. A write to a storage invalidates the recipes that read its old value: those readers are restored if needed and
-   become unevictable ("frozen") before the write runs.
+6. A write to a storage keeps the recipes that read its old value replayable: they rebuild that version when they
+   run (Note [Old versions]). Only when the old version cannot be rebuilt are they restored if needed and made
+   unevictable ("frozen") before the write runs.
 7. A replay that would start with recomputation already past `max_overhead` times the cost of the ops run so far
    raises Thrashing instead, before anything changes for that replay; every pin taken is released.
 9. Restores never fight each other: the storages an op reads, and those a replay reads, cannot be evicted by the
@@ -18,13 +19,23 @@ Rationale: restoring inputs one by one, each recursively, lets the restore of on
   op is done (a deep chain fills the arena with one per level), and pins one half-built level per recursion.
 Approach: `acquire(targets)` first pins the resident targets. The evicted targets and their evicted ancestors
   (through the recipes of each producer and of the writes since) form the plan; the resident storages they read
-  form its boundary, pinned until their last reader in the plan has run. Plan nodes run in a topological order
+  form its boundary, each pinned from just before its first reader in the plan runs until its last reader has
+  run (one evicted in between by the plan's own placements is restored first, by a plan of its own). Plan nodes run in a topological order
   (depth first, inputs in program order, so earlier ancestors first); each is placed (which may evict any
   unpinned storage), replayed, and pinned until the last plan node that reads it is rebuilt. Then it is unpinned;
   if no wrapper holds it (restored only as an ancestor) it is evicted at once, otherwise it stays resident and
   evictable (a chain's backward pass reads it next). Targets stay pinned for the caller.
-Limitations: boundary storages stay pinned for the whole plan, even those read only at its end. A plan is fixed
-  when it starts: a boundary storage is never evicted during it, so the plan never grows.
+Limitations: the order is one topological order (depth first), not the one that needs the least memory.
+
+Note [Old versions]
+Rationale: an in-place write (Rule 6) overwrites a value other recipes may still read. Freezing those readers
+  (unevictable, recipe dropped) keeps them forever: a recurrent cell's in-place gate updates froze one storage
+  per timestep. The old value is recomputable, as the producer and the writes before it are all recorded.
+Approach: a recipe argument names the version it read. A plan node is a storage at its current version, or an
+  old version `(storage, k)`: that one is replayed (producer, then the first k writes) into a scratch range that
+  is pinned, unevictable and freed after its last reader in the plan. At the write, each reader of the old value
+  is charged its replay (`before_write`). A storage with no recipe has no old version to rebuild: its readers
+  are frozen as before, and so are readers of tensors written outside the arena (Rule 5).
 """
 
 from __future__ import annotations
@@ -38,7 +49,7 @@ from .lifetime import backs_evicted_live
 from .memory import Memory
 from .recipe import ArgRef, Recipe, replaying
 from .storage import State, Storage
-from . import ops
+from . import ops, placement
 
 WARN_OVERHEAD = 3.0  # a step whose recompute overhead passes this warns once (RuntimeWarning)
 
@@ -84,94 +95,150 @@ class Remat:
 
     # ============================================================================================== plans
     def _plan(self, evicted: list[Storage]):
-        """(plan nodes in topological order, readers per storage id, boundary storages)."""
-        order: list[Storage] = []
-        seen: dict[int, int] = {}  # sid -> 1 on the path, 2 done
-        uses: dict[int, int] = {}
+        """(plan nodes in topological order, readers per node key, boundary storages). A node is an evicted
+        storage (key: its sid) or an old version of a storage that a recipe still reads (key: (sid, version),
+        Note [Old versions])."""
+        order: list[_Node] = []
+        seen: dict = {}  # node key -> 1 on the path, 2 done
+        uses: dict = {}
         boundary: dict[int, Storage] = {}
         for t in sorted(evicted, key=lambda s: s.sid):
             if t.sid in seen:
                 continue
             seen[t.sid] = 1
-            stack = [(t, iter(_inputs(t)))]
+            root = _Node(t, None)
+            stack = [(root, iter(root.reads()))]
             while stack:
                 node, it = stack[-1]
-                for b in it:
-                    uses[b.sid] = uses.get(b.sid, 0) + 1
-                    if b.state is State.RESIDENT:
+                for b, version in it:
+                    key = b.sid if version is None else (b.sid, version)
+                    uses[key] = uses.get(key, 0) + 1
+                    if version is None and b.state is State.RESIDENT:
                         boundary[b.sid] = b
-                    elif b.state is State.EVICTED:
-                        mark = seen.get(b.sid)
+                    elif version is not None or b.state is State.EVICTED:
+                        mark = seen.get(key)
                         _internal_assert(mark != 1, f"storage {b.sid} is its own ancestor")
                         if mark is None:
-                            seen[b.sid] = 1
-                            stack.append((b, iter(_inputs(b))))
+                            seen[key] = 1
+                            child = _Node(b, version)
+                            stack.append((child, iter(child.reads())))
                             break
                     else:
-                        _internal_assert(False, f"storage {node.sid}'s recipe reads storage {b.sid}, which is freed")
+                        _internal_assert(False, f"storage {node.s.sid}'s replay reads storage {b.sid}, which is freed")
                 else:
                     stack.pop()
-                    seen[node.sid] = 2
+                    seen[node.key] = 2
                     order.append(node)
         return order, uses, boundary
 
     def _rebuild(self, evicted, targets: set, pins: list, op) -> None:
         memory = self.memory
         order, uses, boundary = self._plan(evicted)
-        for s in order:
-            if s.payload.lost is not None:
-                raise TensorLost(s.payload.lost)
-        held: dict[int, Storage] = {}  # pinned here for the plan (not targets)
+        for node in order:
+            if node.s.payload.lost is not None:
+                raise TensorLost(node.s.payload.lost)
+        held: dict = {}      # node key -> storage pinned here for the plan (not targets)
+        shadows: dict = {}   # (sid, version) -> the scratch storage holding that old version
         try:
-            for b in boundary.values():
-                if b.sid not in targets:
-                    memory.pin(b)
-                    held[b.sid] = b
-            for s in order:
-                self._replay(s, op)
-                if s.sid in targets:
-                    pins.append(s)
+            for node in order:
+                for b, version in node.reads():  # the boundary is pinned from its first reader on, not before
+                    if version is None and b.sid in boundary and b.sid not in targets and b.sid not in held:
+                        if b.state is State.EVICTED:  # a placement earlier in this plan evicted it
+                            self._rebuild([b], set(), [], op)
+                        memory.pin(b)
+                        held[b.sid] = b
+                s = node.s
+                if node.version is None:
+                    if s.state is State.RESIDENT:  # a nested plan (above) rebuilt it already
+                        memory.pin(s)
+                    else:
+                        self._replay(s, op, shadows)
+                    if s.sid in targets:
+                        pins.append(s)
+                    else:
+                        held[s.sid] = s
                 else:
-                    held[s.sid] = s
-                for b in _inputs(s):
-                    n = uses[b.sid] = uses[b.sid] - 1
-                    if n == 0 and b.sid in held:
-                        del held[b.sid]
-                        memory.unpin(b)
-                        if (b.sid not in boundary and b.payload.wrappers == 0 and b.pins == 0 and b.evictable
+                    held[node.key] = shadows[node.key] = self._replay_old(s, node.version, op, shadows)
+                for b, version in node.reads():
+                    key = b.sid if version is None else (b.sid, version)
+                    n = uses[key] = uses[key] - 1
+                    if n == 0 and key in held:
+                        x = held.pop(key)
+                        memory.unpin(x)
+                        if version is not None:
+                            memory.free(shadows.pop(key))
+                        elif (b.sid not in boundary and b.payload.wrappers == 0 and b.pins == 0 and b.evictable
                                 and not backs_evicted_live(b)):
                             memory.evict(b)  # restored only as an ancestor: it goes (Rule 3)
         finally:
-            for b in held.values():
-                memory.unpin(b)
+            for key, x in held.items():
+                memory.unpin(x)
+                if key in shadows:
+                    memory.free(shadows.pop(key))
 
-    def _replay(self, s: Storage, op) -> None:
-        """Place evicted `s` (pinned), then replay its producer and writes into it. Its inputs are resident."""
-        d = s.payload
+    def _check_thrashing(self, op) -> None:
         c = self.counters
         if self.max_overhead is not None and c.recompute_cost > (self.max_overhead - 1.0) * c.compute_cost:
-            raise Thrashing(c.recompute_cost, c.compute_cost, self.max_overhead, op or str(d.recipe.func))
+            raise Thrashing(c.recompute_cost, c.compute_cost, self.max_overhead, op)
+
+    def _replay(self, s: Storage, op, shadows: dict) -> None:
+        """Place evicted `s` (pinned), then replay its producer and writes into it. Its inputs are resident."""
+        d = s.payload
+        self._check_thrashing(op or str(d.recipe.func))
         memory = self.memory
         memory.restore(s, pinned=True, op=op or str(d.recipe.func))
         for b in _inputs(s):
             memory.touch(b)
-        cost = 0.0
+        cost = self._run_recipes(s, s.offset, len(d.mutations), shadows)
+        self._replayed(cost)
+        memory.touch(s)
+
+    def _replay_old(self, s: Storage, version: int, op, shadows: dict) -> Storage:
+        """A scratch storage (pinned, unevictable, freed after its last reader) holding `s` as it was after
+        `version` writes (Note [Old versions])."""
+        self._check_thrashing(op or str(s.payload.recipe.func))
+        scratch = self.memory.allocate(s.nbytes, 0.0, evictable=False, pinned=True, op=op)
+        try:
+            self._replayed(self._run_recipes(s, scratch.offset, version, shadows))
+        except BaseException:
+            self.memory.unpin(scratch)
+            self.memory.free(scratch)
+            raise
+        return scratch
+
+    def _run_recipes(self, s: Storage, offset: int, version: int, shadows: dict) -> float:
+        """Replay `s`'s producer and its first `version` writes into the range at `offset`; returns their cost."""
+        d = s.payload
         recipe = d.recipe
-        if not recipe.uninitialized:
-            args, kwargs = self.views(recipe, None, 0)
+        cost = 0.0
+        if recipe.uninitialized:
+            pass  # the range is all a replay needs
+        elif recipe.direct is not None:
+            self._replay_direct(offset, recipe, d.index, shadows)
+            cost += recipe.cost
+        else:
+            args, kwargs = self.views(recipe, shadows)
             with replaying(recipe):
                 out = recipe.func(*args, **kwargs)
-            self.copy_into(s, out[d.index] if isinstance(out, (tuple, list)) else out)
+            o = out[d.index] if isinstance(out, (tuple, list)) else out
+            self.copy_into(offset, o)
+            nbytes = o.numel() * o.element_size()
+            self.counters.count_placed(nbytes, nbytes, sum(x.numel() * x.element_size() for x in
+                                                           (out if isinstance(out, (tuple, list)) else [out])
+                                                           if isinstance(x, torch.Tensor)))
             cost += recipe.cost
-        for k, m in enumerate(d.mutations):
-            margs, mkwargs = self.views(m, s, k)
+        for k, m in enumerate(d.mutations[:version]):
+            margs, mkwargs = self.views(m, shadows, s, k, offset)
             with replaying(m):
                 m.func(*margs, **mkwargs)
             cost += m.cost
+        return cost
+
+    def _replayed(self, cost: float) -> None:
+        c = self.counters
         c.recompute_cost += cost
         c.rematerializations += 1
-        memory.advance(cost)  # See Rule 10
-        memory.touch(s)
+        self.memory.advance(cost)  # See Rule 10
         if not self.warned and c.compute_cost and c.recompute_cost > (WARN_OVERHEAD - 1.0) * c.compute_cost:
             self.warned = True
             overhead = (c.compute_cost + c.recompute_cost) / c.compute_cost
@@ -181,30 +248,65 @@ class Remat:
                           RuntimeWarning, stacklevel=2)
 
     # ============================================================================================== bytes
-    def views(self, recipe: Recipe, self_storage, version: int):
-        """The recipe's arguments with arena views in place of ArgRefs (all resident by now)."""
+    def views(self, recipe: Recipe, shadows: dict, self_storage=None, version: int = 0, self_offset: int = -1):
+        """The recipe's arguments with arena views in place of ArgRefs: the storage itself when the version
+        matches, else the scratch copy of that old version (all resident by now)."""
         flat, spec = ops.flatten(recipe.args, recipe.kwargs)
         for i, a in enumerate(flat):
             if isinstance(a, ArgRef):
                 s = a.storage
                 if s is self_storage:
                     _internal_assert(a.version == version, f"write {version} of storage {s.sid} read version {a.version}")
+                    offset = self_offset
+                elif a.version == s.payload.version:
+                    _internal_assert(s.state is State.RESIDENT, f"storage {s.sid} is {s.state.value} during a replay")
+                    offset = s.offset
                 else:
-                    _internal_assert(a.version == s.payload.version,
-                                     f"recipe reads storage {s.sid} at version {a.version}, it is at {s.payload.version}")
-                _internal_assert(s.state is State.RESIDENT, f"storage {s.sid} is {s.state.value} during a replay")
-                flat[i] = self.arena.view(s.offset, a.dtype, a.size, a.stride, a.offset)
+                    scratch = shadows.get((s.sid, a.version))
+                    _internal_assert(scratch is not None, f"recipe reads storage {s.sid} at version {a.version}, it "
+                                                          f"is at {s.payload.version} and no replay rebuilt that")
+                    offset = scratch.offset
+                flat[i] = self.arena.view(offset, a.dtype, a.size, a.stride, a.offset)
         return ops.unflatten(flat, spec)
 
-    def copy_into(self, s: Storage, o: torch.Tensor) -> None:
+    def _replay_direct(self, offset: int, recipe: Recipe, index: int, shadows: dict) -> None:
+        """Replay an op through its out= variant: output `index` straight into the range at `offset`, the others
+        (outputs of the same op that are not being restored) into temporaries (Note [Direct placement])."""
+        plan = recipe.direct
+        args, kwargs = self.views(recipe, shadows)
+        outs, temporary = {}, 0
+        for j, (name, o) in enumerate(zip(plan.out_names, plan.outputs)):
+            if j == index:
+                outs[name] = self.arena.view(offset, o.dtype, o.size, o.stride, 0)
+            else:
+                outs[name] = torch.empty_strided(o.size, o.stride, dtype=o.dtype, device=self.arena.device)
+                temporary += o.nbytes
+        with replaying(recipe):
+            plan.out_op(*args, **kwargs, **outs)
+        self.counters.count_placed(plan.outputs[index].nbytes, 0, temporary)
+
+    def copy_into(self, offset: int, o: torch.Tensor) -> None:
+        """Write a temporary output into the range at `offset` with the layout it was placed with
+        (placement.layout)."""
         if self.meta:
             return
-        size, stride = tuple(o.size()), tuple(o.stride())
-        if not ops.dense(size, stride):
-            stride = contiguous_strides(size)
-        self.arena.view(s.offset, o.dtype, size, stride, 0).copy_(o)
+        size = tuple(o.size())
+        self.arena.view(offset, o.dtype, size, placement.layout(size, o.stride()), 0).copy_(o)
 
     # ============================================================================================ freezing
+    def before_write(self, s: Storage) -> None:
+        """Before an in-place write to `s` (Rule 6): a reader of its current value stays recomputable from that
+        old version (Note [Old versions]); it is charged the old version's replay. Without a recipe for `s`, no
+        old version can be rebuilt: its readers are frozen instead."""
+        d = s.payload
+        if d.recipe is None:
+            self.freeze_readers(s)
+            return
+        old = sum(r.cost for r in d.recipes())
+        for r in s.readers():
+            if r is not s and r.payload.recipe is not None:
+                self.memory.extend(r, old, s.inputs)
+
     def freeze_readers(self, s: Storage) -> None:
         """Before a write to `s` (Rule 6): storages whose recipes read its current value stop depending on it."""
         for ref in list(s.consumers):
@@ -234,9 +336,27 @@ def _inputs(s: Storage) -> list:
     return sorted(s.payload.reads(s), key=lambda b: b.sid)
 
 
-def contiguous_strides(size) -> tuple:
-    strides, acc = [], 1
-    for n in reversed(size):
-        strides.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(strides))
+class _Node:
+    """A plan node: an evicted storage (version None), or an old version of a storage that a recipe reads."""
+
+    __slots__ = ("s", "version", "key")
+
+    def __init__(self, s: Storage, version):
+        self.s, self.version = s, version
+        self.key = s.sid if version is None else (s.sid, version)
+
+    def reads(self) -> list:
+        """(storage, version or None for its current one) its replay reads, in program order, itself left out."""
+        d = self.s.payload
+        recipes = ([] if d.recipe.uninitialized else [d.recipe]) + d.mutations[: len(d.mutations) if self.version is
+                                                                                 None else self.version]
+        seen = {}
+        for r in recipes:
+            for a in ops.flatten(r.args, r.kwargs)[0]:
+                if isinstance(a, ArgRef) and a.storage is not self.s:
+                    b = a.storage
+                    v = None if a.version == b.payload.version else a.version
+                    seen.setdefault((b.sid, -1 if v is None else v), (b, v))
+        return [seen[k] for k in sorted(seen)]
+
+

@@ -39,6 +39,7 @@ class Runtime:
         self.remat = Remat(memory, arena, self.counters, max_overhead=max_overhead, explain=explain)
         self.lifetime = Lifetime(memory, arena, self.counters)
         self.dispatch = Dispatch(self, recomputable_inplace=recomputable_inplace)
+        self.mode = None  # the Budget's dispatch mode, set by the Budget (composite ops re-enter it)
 
     def run(self, func, args, kwargs):
         return self.dispatch.run(func, args, kwargs)

@@ -1,11 +1,23 @@
 """Storage records: one per storage a Budget has produced (a base and all of its views share one, Rule 2).
 
 A record holds state only; decisions live in `policy.py`, mutation in `memory.py`. Each field names its only
-writer. The compute graph between storages (`inputs` strong, `consumers` weak) serves the recompute-cost
-estimate: DTR's equivalence classes of evicted storages, kept with union-find, so that evicting a storage next
-to already-evicted ones is charged their cost too (a recompute would have to redo them). Each class root also
-keeps its border (the resident storages next to a member), so that every cost that counts the class is refreshed
-whenever the class changes (DTR's e*, kept true rather than refreshed only when a direct neighbour changes).
+writer. The compute graph between storages (`inputs` strong, `consumers` weak) serves the recompute-cost estimate.
+
+Note [Recompute cost]
+Rationale: a policy must know what bringing a storage back would cost *now*: its own producer and writes, plus
+  every evicted storage its replay would have to rebuild first. DTR's e* approximates this with union-find classes
+  of evicted storages, charged to every resident neighbour in both directions. Measured on the suite, that breaks
+  down in the backward pass: the records of dead gradients and the activations they read join one class spanning
+  the whole step, every resident storage borders it, every cost becomes the same, and eviction degenerates to
+  least-recently-used (ResNet-50 at 25% of its peak evicted a live skip-connection gradient whose replay then
+  needed the whole forward pass again, and failed).
+Approach: `recompute_cost(s)` = the cost of `s` plus the cost of each distinct evicted storage reachable from it
+  through evicted inputs (exactly the replays a restore plan of `s` would run, remat.py). A change of state of one
+  storage changes the cost of the resident storages reachable from it forward through evicted readers
+  (`dependents`); Memory marks those and refreshes them before its next plan, so every cost a policy reads is
+  exact.
+Limitations: evicting a storage also makes its evicted readers costlier to restore; that is not charged to it
+  (DTR's other direction). A walk stops after `WALK_LIMIT` storages (the cost is then a lower bound).
 """
 
 from __future__ import annotations
@@ -13,6 +25,8 @@ from __future__ import annotations
 import enum
 import weakref
 from dataclasses import dataclass, field
+
+WALK_LIMIT = 100_000
 
 
 class State(enum.Enum):
@@ -25,64 +39,60 @@ class State(enum.Enum):
 class Storage:
     sid: int                      # unique id in its Memory; Memory.allocate
     nbytes: int                   # bytes requested (the block is this rounded up); Memory.allocate
-    cost: float                   # cost of recomputing it alone; Memory.allocate
+    cost: float                   # cost of replaying its producer and writes; Memory.allocate / Memory.add_write
     evictable: bool               # False for outputs of effectful ops; Memory.allocate / Memory.make_unevictable
-    expensive: bool               # class for cheap tensor partitioning (cost / bytes >= threshold); Memory.allocate
+    expensive: bool               # class for cheap tensor partitioning; Memory.allocate
     state: State = State.RESIDENT # Memory only
     offset: int = -1              # arena offset while resident, else -1; Memory only
     slot: int = -1                # row in Memory's columns while resident, else -1; Memory only
     pins: int = 0                 # >0: must stay resident; Memory.pin / Memory.unpin
     last_access: float = 0.0      # logical clock of the last use; Memory.touch
-    inputs: tuple["Storage", ...] = ()                          # producer's input storages; Memory.allocate
-    consumers: list = field(default_factory=list)               # weakrefs to storages reading this; Memory.allocate
-    uf_parent: "Storage | None" = None  # union-find parent once evicted (a root points to itself; kept as a link
-                                        # after restore or free, see Memory._leave_class); Memory only
-    uf_cost: float = 0.0                # at a root: total cost of its class; Memory only
-    uf_border: dict | None = None       # at a root: sid -> storage of resident storages next to a member (a
-                                        # superset: entries that left residency are dropped when read); Memory only
+    inputs: list = field(default_factory=list)     # storages its producer and writes read; Memory.allocate / add_write
+    consumers: list = field(default_factory=list)  # weakrefs to storages whose recipes read this; add_input
     payload: object = None        # the runtime's data (recipe, views); the runtime only
 
-    def neighbours(self):
-        yield from self.inputs
+    def readers(self):
+        """The storages whose recipes read this one and that are not freed."""
         for ref in self.consumers:
-            s = ref()
-            if s is not None:
-                yield s
+            r = ref()
+            if r is not None and r.state is not State.FREED:
+                yield r
 
 
-def uf_find(s: Storage) -> Storage:
-    while s.uf_parent is not s:
-        s.uf_parent = s.uf_parent.uf_parent  # path halving
-        s = s.uf_parent
-    return s
+def add_input(child: Storage, parent: Storage) -> None:
+    child.inputs.append(parent)
+    parent.consumers.append(weakref.ref(child))
 
 
-def uf_union(a: Storage, b: Storage) -> None:
-    ra, rb = uf_find(a), uf_find(b)
-    if ra is not rb:
-        if ra.sid > rb.sid:  # deterministic root choice
-            ra, rb = rb, ra
-        rb.uf_parent = ra
-        ra.uf_cost += rb.uf_cost
-        big, small = ra.uf_border, rb.uf_border
-        if len(big) < len(small):
-            big, small = small, big
-        big.update(small)
-        ra.uf_border, rb.uf_border = big, None
-
-
-def neighbourhood_cost(s: Storage) -> float:
-    """c of DTR: own cost plus the cost of each distinct evicted class adjacent to `s`."""
+def recompute_cost(s: Storage) -> float:
+    """See Note [Recompute cost]: the cost of `s` plus each distinct evicted storage reachable through evicted
+    inputs."""
     total = s.cost
-    seen = []
-    for nb in s.neighbours():
-        if nb.state is State.EVICTED and nb.uf_parent is not None:
-            root = uf_find(nb)
-            if not any(root is r for r in seen):
-                seen.append(root)
-                total += root.uf_cost
+    seen = {s.sid}
+    work = list(s.inputs)
+    while work:
+        p = work.pop()
+        if p.sid in seen or p.state is not State.EVICTED:
+            continue
+        seen.add(p.sid)
+        total += p.cost
+        if len(seen) > WALK_LIMIT:
+            break
+        work.extend(p.inputs)
     return total
 
 
-def add_consumer(parent: Storage, child: Storage) -> None:
-    parent.consumers.append(weakref.ref(child))
+def dependents(s: Storage) -> list:
+    """The resident storages whose recompute cost counts `s` (or would, once `s` is evicted): reachable from `s`
+    forward through evicted readers."""
+    out, seen, work = [], {s.sid}, [s]
+    while work:
+        for r in work.pop().readers():
+            if r.sid in seen:
+                continue
+            seen.add(r.sid)
+            if r.state is State.RESIDENT:
+                out.append(r)
+            elif len(seen) <= WALK_LIMIT:
+                work.append(r)
+    return out

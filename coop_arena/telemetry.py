@@ -55,6 +55,17 @@ class RuntimeCounters:
     working_set_peak: int = 0       # largest bytes one op held at once: its inputs and its outputs
     frozen: int = 0                 # storages made unevictable by a later write to what they read
     dropped: int = 0                # storages given up at exit after an error (TensorLost on use)
+    placed_bytes: int = 0           # output bytes written into the arena, replays included
+    temporary_bytes: int = 0        # of those, bytes computed into a temporary first and copied in
+    temporary_peak: int = 0         # largest sum of one op's temporaries (alive at once, outside the arena)
+
+    def count_placed(self, nbytes: int, via_temporary: int, alive: int) -> None:
+        """An op (or replay) wrote `nbytes` of outputs into the arena, `via_temporary` of them through temporaries
+        first; `alive` bytes of temporaries existed at once while it ran."""
+        self.placed_bytes += nbytes
+        self.temporary_bytes += via_temporary
+        if alive > self.temporary_peak:
+            self.temporary_peak = alive
 
     def count_unevictable(self, nbytes: int, sign: int) -> None:
         self.unevictable_bytes += sign * nbytes

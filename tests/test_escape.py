@@ -277,13 +277,24 @@ def test_raw_memory_through_pinned_inside_the_block():
         assert t[0, 0].item() == -1.0
 
 
+@torch.library.custom_op("coop_arena_test::value_and_index", mutates_args=())
+def value_and_index(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x * 2, torch.arange(x.numel())
+
+
+@value_and_index.register_fake
+def _(x):
+    return torch.empty_like(x), torch.empty(x.numel(), dtype=torch.int64, device=x.device)
+
+
 def test_output_of_a_failed_op_is_lost_and_the_error_is_kept():
-    """sort places its values, then cannot place its indices: the values' wrapper, freed with the error but still
-    held by its traceback, ends the block as lost, and the OutOfBudget is what leaves the block."""
+    """An op (with no out= overload) places its first output, then cannot place its second: the first's wrapper,
+    freed with the error but still held by its traceback, ends the block as lost, and the OutOfBudget is what
+    leaves the block."""
     budget = coop_arena.Budget(48 << 10, device="cpu")
     with pytest.raises(coop_arena.OutOfBudget) as err:
         with budget:
-            torch.sort(X.flatten() * 1)  # 16 KiB in, 16 KiB values placed, 32 KiB indices do not fit
+            value_and_index(X.flatten() * 1)  # 16 KiB in, 16 KiB placed, then 32 KiB do not fit
     assert budget.stats.dropped == 1
     held, tb = [], err.value.__traceback__
     while tb is not None:

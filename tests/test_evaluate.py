@@ -80,11 +80,11 @@ def test_budget_below_the_lower_bound_is_reported_not_raised():
 
 
 def test_refinement_bisects_the_edge():
-    res = sweep_model("cnn", 8, Sweep(step=0.25, refine=3, configs=("coop",)))
+    res = sweep_model("cnn", 8, Sweep(step=0.1, refine=3, configs=("coop",)))
     runs = res["runs"]["coop"]
     good, bad = runs["smallest_ratio"], runs["first_failure"]
-    assert 0 < bad < good and good - bad <= 0.25 / 2**3 + 1e-9
-    grid = Sweep(step=0.25).grid()
+    assert 0 < bad < good and good - bad <= 0.1 / 2**3 + 1e-9
+    grid = Sweep(step=0.1).grid()
     assert len([r for r in runs["runs"] if r["ratio"] not in grid]) == 3
 
 

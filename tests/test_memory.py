@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from coop_arena import Memory, OutOfBudget
-from coop_arena.storage import State, neighbourhood_cost
+from coop_arena.storage import State, recompute_cost
 from coop_arena.telemetry import Event
 
 U = 512
@@ -255,13 +255,14 @@ def test_dte_counts_adjacent_free_bytes(policy, victims, offset, evicted):
     assert m.stats.fragmentation == pytest.approx(1 / 6)
 
 
-# ------------------------------------------------------------------------------- union-find neighbourhood cost
+# ------------------------------------------------------------------------------------------- recompute cost
 NEIGHBOURS = [("p", 1, 5.0), ("A", 1, 100.0), ("q", 1, 1.0), ("r", 1, 1.0), ("B", 1, 100.0),
               ("s", 1, 2.0), ("t", 1, 2.0), ("C", 1, 100.0)]
 
 
 def _c_column(m, s):
-    """The c the policy reads for a resident storage (internal column)."""
+    """The c the policy reads for a resident storage (internal column), after bringing it up to date."""
+    m._refresh_costs()
     return float(m._c[s.slot + 1])
 
 
@@ -275,11 +276,11 @@ def test_evicted_input_makes_a_storage_costlier(policy, before, after):
     for name, n, cost in NEIGHBOURS:               # q reads p; p is far from q in the arena
         s[name] = m.allocate(n * U, cost, inputs=[s["p"]] if name == "q" else ())
     assert layout(m, s) == "p1 A1 q1 r1 B1 s1 t1 C1"
-    assert neighbourhood_cost(s["q"]) == 1.0
+    assert recompute_cost(s["q"]) == 1.0
     plan = m.plan(2 * U)
     assert names(s, [m.snapshot()[i]["sid"] for i in plan.victims]) == before
     m.evict(s["p"])                                # recomputing q would now need p first
-    assert neighbourhood_cost(s["q"]) == _c_column(m, s["q"]) == 1.0 + 5.0
+    assert recompute_cost(s["q"]) == _c_column(m, s["q"]) == 1.0 + 5.0
     plan = m.plan(2 * U)
     assert names(s, [m.snapshot()[i]["sid"] for i in plan.victims]) == after
     m.allocate(2 * U, 1.0)
@@ -287,7 +288,7 @@ def test_evicted_input_makes_a_storage_costlier(policy, before, after):
     m.check_invariants()
 
 
-def test_union_find_classes_of_evicted_storages():
+def test_recompute_cost_counts_each_evicted_ancestor_once():
     m = Memory(8 * U, partition=False)
     a = m.allocate(U, 1.0)
     b = m.allocate(U, 2.0, inputs=[a])
@@ -295,46 +296,41 @@ def test_union_find_classes_of_evicted_storages():
     d = m.allocate(U, 8.0, inputs=[c])
     e = m.allocate(U, 16.0, inputs=[a, c])         # reads two storages
     m.evict(a)
-    assert neighbourhood_cost(b) == _c_column(m, b) == 2 + 1
-    assert neighbourhood_cost(e) == 16 + 1
-    m.evict(c)                                      # two separate classes {a} and {c}
-    assert neighbourhood_cost(b) == _c_column(m, b) == 2 + 1 + 4
-    assert neighbourhood_cost(d) == _c_column(m, d) == 8 + 4
-    assert neighbourhood_cost(e) == 16 + 1 + 4
-    m.evict(b)                                      # b joins them: one class {a, b, c}
-    assert neighbourhood_cost(d) == 8 + 7
-    assert neighbourhood_cost(e) == 16 + 7           # one class, counted once
-    m.restore(b)                                    # b leaves; the class cannot split (DTR's approximation)
-    assert neighbourhood_cost(b) == _c_column(m, b) == 2 + 5
-    assert neighbourhood_cost(d) == 8 + 5
+    assert _c_column(m, b) == recompute_cost(b) == 2 + 1
+    assert _c_column(m, e) == 16 + 1
+    assert _c_column(m, d) == 8                    # its input c is resident: a replay of d stops there
+    m.evict(c)
+    assert _c_column(m, b) == 2 + 1                # descendants do not count (Note [Recompute cost])
+    assert _c_column(m, d) == 8 + 4
+    assert _c_column(m, e) == 16 + 1 + 4
+    m.evict(b)                                      # c's replay now needs b, and b's needs a
+    assert _c_column(m, d) == 8 + 4 + 2 + 1
+    assert _c_column(m, e) == 16 + 4 + 2 + 1        # a reached twice (directly and through c), counted once
+    m.restore(b)
+    assert _c_column(m, b) == 2 + 1
+    assert _c_column(m, d) == 8 + 4
     m.restore(a)
-    assert neighbourhood_cost(b) == _c_column(m, b) == 2 + 4
-    assert neighbourhood_cost(d) == 8 + 4
-    m.evict(a)                                      # a rejoins its old class
-    assert neighbourhood_cost(b) == 2 + 5
+    assert _c_column(m, b) == 2
+    assert _c_column(m, e) == 16 + 4
     m.free(c)                                       # a freed storage is no longer recomputed by anyone
-    assert neighbourhood_cost(b) == _c_column(m, b) == 2 + 1
-    assert neighbourhood_cost(d) == 8
+    m.check_invariants()
     m.evict(b)
     m.evict(d)
     m.check_invariants()
 
 
-def test_restoring_or_freeing_a_class_root_keeps_the_class_usable():
-    # a is the root of {a, b} (lower sid); bringing a back or freeing it must not cut b off its class
-    for finish in ("restore", "free"):
-        m = Memory(8 * U, partition=False)
-        a = m.allocate(U, 1.0)
-        b = m.allocate(U, 2.0, inputs=[a])
-        c = m.allocate(U, 4.0, inputs=[b])
-        m.evict(a)
-        m.evict(b)
-        getattr(m, finish)(a)
-        assert neighbourhood_cost(c) == 4 + 2
-        m.evict(c)                                  # unions with b's class
-        m.restore(b)
-        m.restore(c)
-        m.check_invariants()
+def test_a_write_adds_its_cost_and_inputs():
+    m = Memory(8 * U, partition=False)
+    a = m.allocate(U, 1.0)
+    w = m.allocate(U, 3.0)
+    b = m.allocate(U, 2.0, inputs=[a])
+    m.add_write(b, 5.0, [w, b])                     # b += w: a replay of b runs its producer, then the write
+    assert b.cost == 7.0 and [x.sid for x in b.inputs] == [a.sid, w.sid]
+    m.evict(w)
+    assert _c_column(m, b) == 7 + 3
+    with pytest.raises(ValueError, match="only a resident storage can be written"):
+        m.add_write(w, 1.0)
+    m.check_invariants()
 
 
 # ------------------------------------------------------------------------------------------------ OutOfBudget

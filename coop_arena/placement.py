@@ -1,0 +1,249 @@
+"""Placement: where a functional op's outputs are written, and what the op costs, learned once per configuration.
+
+Note [Direct placement]
+Rationale: computing an output into a temporary from PyTorch's allocator and copying it into the arena puts the
+  temporary outside the budget (hundreds of MiB for a large output on a GPU) and doubles the output traffic.
+Approach:
+  - Per configuration of a functional op (the op, its tensors' dtypes, sizes and strides, its other arguments),
+    one run on the `meta` device gives the outputs' sizes, strides and dtypes, whether an output aliases an input,
+    and the op's analytic cost (cost.py). The result is cached: later calls of the same configuration pay a dict
+    lookup.
+  - An output that aliases an input makes the op a view (the runtime wraps it; nothing is placed), whatever its
+    schema says (`_unsafe_view`, `unsafe_split`).
+  - The op's out= variant (found by its schema: the same arguments plus one written keyword-only tensor per
+    return) is used when it writes straight into `out`: it has a kernel of its own for the device (structured
+    kernels: add, mm, addmm, native_batch_norm, ...), or it is composite and a probe on `meta` shows that it
+    calls no op that allocates a fresh tensor (zeros.out, stack.out). The runtime then places the outputs first,
+    with exactly the strides the functional op would give them, and runs the out= variant on arena views.
+  - An op with no kernel of its own for the device but a composite one (mul.Scalar, clone, masked_fill,
+    embedding, zeros_like, _to_copy), no FLOP formula and no randomness runs as the ops its composite kernel
+    calls, each through the runtime (`decomposes`): the same kernels compute the same bits, and the parts take
+    direct placement where they can.
+  - Otherwise (no out= variant, or one that computes into a temporary and copies: convolution, layer norm,
+    dropout, embedding_dense_backward) the op runs into temporaries that are copied in and counted
+    (stats.temporary_bytes, temporary_peak).
+Limitations: ops whose output shape depends on data (nonzero, masked_select) cannot run on `meta`: they take the
+  temporary path and pay their cost model's call each time. A dry run on `meta` takes the CPU's choices, so its
+  statistics match a CPU run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import ops
+from .cost import op_cost
+
+_BACKEND_KEY = {"cpu": "CPU", "cuda": "CUDA", "meta": "CPU"}
+
+
+@dataclass(frozen=True, slots=True)
+class OutSpec:
+    """One tensor output: how it is laid out and how many bytes its range needs."""
+
+    size: tuple
+    stride: tuple
+    dtype: torch.dtype
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class OpPlan:
+    outputs: tuple        # OutSpec per output of the functional op (None where it is not a tensor)
+    aliases: bool         # some output aliases an input: the op is a view
+    out_op: object        # the out= variant that writes into arena views, or None (temporary path)
+    out_names: tuple      # its written keyword arguments, one per output
+    cost: float           # the op's analytic cost (cost.py)
+
+
+_PLANS: dict = {}
+_DECOMPOSES: dict = {}
+_OUT_VARIANTS: dict = {}
+_WRITES_IN_PLACE: dict = {}
+
+
+def plan_for(func, op, args, kwargs, device_type: str) -> OpPlan | None:
+    """The plan of a functional op called with plain `args`/`kwargs`, or None when it cannot run on meta."""
+    leaves, spec = ops.flatten(args, kwargs)
+    key = (func, device_type, _key(leaves), tuple(spec[0]), tuple(spec[1]))
+    try:
+        return _PLANS[key]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable argument: no cache for this call
+        return _make_plan(func, op, leaves, spec, device_type)
+    p = _PLANS[key] = _make_plan(func, op, leaves, spec, device_type)
+    return p
+
+
+def _key(leaves) -> tuple:
+    out = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            out.append((x.dtype, tuple(x.size()), tuple(x.stride())))
+        elif isinstance(x, list):
+            out.append(tuple(x))
+        else:
+            out.append(x)
+    return tuple(out)
+
+
+def span_bytes(size, stride, itemsize: int) -> int:
+    if any(n == 0 for n in size):
+        return 0
+    return (1 + sum((n - 1) * st for n, st in zip(size, stride))) * itemsize
+
+
+def keeps_layout(size, stride) -> bool:
+    """True when no two elements share an address (the layout can be written as it is)."""
+    dims = sorted((st, n) for n, st in zip(size, stride) if n != 1)
+    reach = 0
+    for st, n in dims:
+        if n == 0:
+            return True
+        if st <= reach:
+            return False
+        reach += st * (n - 1)
+    return True
+
+
+def layout(size, stride) -> tuple:
+    """The strides an output is placed with: its own, unless two of its elements share an address."""
+    return tuple(stride) if keeps_layout(size, stride) else contiguous_strides(size)
+
+
+def contiguous_strides(size) -> tuple:
+    strides, acc = [], 1
+    for n in reversed(size):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _meta(x):
+    if isinstance(x, torch.Tensor):
+        return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device="meta")
+    return x
+
+
+def _make_plan(func, op, leaves, spec, device_type) -> OpPlan | None:
+    mleaves = [_meta(x) for x in leaves]
+    margs, mkwargs = ops.unflatten(mleaves, spec)
+    rng = torch.random.get_rng_state()
+    try:
+        with torch.utils._python_dispatch._disable_current_modes():
+            out = func(*margs, **mkwargs)
+    except Exception:  # data-dependent shapes, or no meta kernel: the temporary path
+        return None
+    finally:
+        torch.random.set_rng_state(rng)
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    in_storages = {x.untyped_storage()._cdata for x in mleaves if isinstance(x, torch.Tensor)}
+    aliases = any(isinstance(o, torch.Tensor) and o.untyped_storage()._cdata in in_storages for o in outs)
+    specs = []
+    for o in outs:
+        if isinstance(o, torch.Tensor):
+            size, stride = tuple(o.size()), tuple(o.stride())
+            stride = layout(size, stride)
+            specs.append(OutSpec(size, stride, o.dtype, span_bytes(size, stride, o.element_size())))
+        else:
+            specs.append(None)
+    cost = op_cost(op.flops, margs, mkwargs, mleaves, outs, out)
+    out_op, names = None, ()
+    if not aliases:
+        variant = out_variant(func)
+        if variant is not None and all(s is not None for s in specs):
+            candidate, names = variant
+            mouts = {n: torch.empty_strided(s.size, s.stride, dtype=s.dtype, device="meta") for n, s in zip(names, specs)}
+            if writes_in_place(candidate, device_type, margs, {**mkwargs, **mouts}):
+                out_op = candidate
+    return OpPlan(tuple(specs), aliases, out_op, names if out_op is not None else (), cost)
+
+
+def decomposes(func, op, device_type: str) -> bool:
+    """True when a functional op is better run as the ops its composite kernel calls: it has no kernel of its own
+    for the device, only a CompositeExplicitAutograd one (mul.Scalar, clone, masked_fill, embedding, zeros_like,
+    _to_copy, ...), it has no FLOP formula (its parts are then costed as fully as it is) and it is not random.
+    Its parts then take direct placement where they can; the kernels that compute are the same, so the bits are.
+    Only aten ops: a custom op (torch.library) is recorded and recomputed as the unit its author defined."""
+    key = (func, device_type)
+    known = _DECOMPOSES.get(key)
+    if known is None:
+        name = func.name()
+        known = _DECOMPOSES[key] = (
+            func.namespace == "aten" and op.flops is None and not op.random and not op.effectful
+            and not torch._C._dispatch_has_kernel_for_dispatch_key(name, _BACKEND_KEY[device_type])
+            and torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutograd"))
+    return known
+
+
+def backend_keyset(device_type: str):
+    """The key whose kernel a decomposed op runs: on `meta` the CPU's (its composite kernel, on meta tensors), so
+    a dry run calls the same parts as a CPU run."""
+    return torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, _BACKEND_KEY[device_type]))
+
+
+def out_variant(func):
+    """(overload, names of its written keyword arguments) of the out= variant of a functional op, or None."""
+    try:
+        return _OUT_VARIANTS[func]
+    except KeyError:
+        pass
+    schema = func._schema
+    want = [(a.name, str(a.type)) for a in schema.arguments]
+    found = None
+    if schema.returns and all(str(r.type) == "Tensor" and r.alias_info is None for r in schema.returns):
+        packet = func.overloadpacket
+        for name in packet.overloads():
+            o = getattr(packet, name)
+            s = o._schema
+            outs = [a for a in s.arguments if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write]
+            rest = [(a.name, str(a.type)) for a in s.arguments
+                    if not (a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)]
+            if len(outs) == len(schema.returns) and rest == want and len(s.returns) == len(outs) and all(
+                    r.alias_info is not None and set(r.alias_info.before_set) == set(a.alias_info.before_set)
+                    for r, a in zip(s.returns, outs)):
+                found = (o, tuple(a.name for a in outs))
+                break
+    _OUT_VARIANTS[func] = found
+    return found
+
+
+class _Probe(TorchDispatchMode):
+    """Records whether an out= variant's kernel calls an op that allocates a fresh tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.allocates = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(r.alias_info is None and str(r.type) == "Tensor" for r in func._schema.returns):
+            self.allocates = True
+        return func(*args, **(kwargs or {}))
+
+
+def writes_in_place(out_op, device_type: str, margs, mkwargs) -> bool:
+    """True when `out_op` writes its outputs straight into its out= tensors on this kind of device."""
+    key = (out_op, device_type)
+    known = _WRITES_IN_PLACE.get(key)
+    if known is not None:
+        return known
+    name = out_op.name()
+    backend = _BACKEND_KEY[device_type]
+    if torch._C._dispatch_has_kernel_for_dispatch_key(name, backend):
+        verdict = True
+    elif torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutograd"):
+        probe = _Probe()
+        try:
+            with torch.utils._python_dispatch._disable_current_modes(), probe:
+                out_op.redispatch(torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, backend)), *margs, **mkwargs)
+            verdict = not probe.allocates
+        except Exception:
+            verdict = False
+    else:
+        verdict = False
+    _WRITES_IN_PLACE[key] = verdict
+    return verdict

@@ -1,0 +1,163 @@
+"""Direct placement (Note [Direct placement] in placement.py): outputs written straight into the arena where the op
+has an out= kernel that does so, views kept as views, composite ops run as their parts, and the rest counted."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn as nn
+
+import coop_arena
+from coop_arena import placement
+from coop_arena.ops import info
+from training import train
+
+aten = torch.ops.aten
+
+
+# ------------------------------------------------------------------------------------------ decisions by schema
+def test_out_variants_are_found_by_schema():
+    op, names = placement.out_variant(aten.threshold_backward.default)
+    assert op is aten.threshold_backward.grad_input and names == ("grad_input",)
+    op, names = placement.out_variant(aten.native_batch_norm.default)
+    assert op is aten.native_batch_norm.out and names == ("out", "save_mean", "save_invstd")
+    assert placement.out_variant(aten.sum.dim_IntList)[0] is aten.sum.IntList_out
+    assert placement.out_variant(aten.split_with_sizes.default) is None  # returns views, no out= variant
+
+
+def _meta(*size):
+    return torch.empty(*size, device="meta")
+
+
+@pytest.mark.parametrize("out_op,args,outs,expected", [
+    (aten.add.out, (_meta(4, 4), _meta(4, 4)), {"out": _meta(4, 4)}, True),    # a structured CPU kernel
+    (aten.convolution.out, (_meta(1, 3, 8, 8), _meta(4, 3, 3, 3), None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1),
+     {"out": _meta(1, 4, 8, 8)}, False),                                      # composite: convolution, then copy
+    (aten.stack.out, ([_meta(4), _meta(4)],), {"out": _meta(2, 4)}, True),     # composite over cat.out: no temporary
+])
+def test_an_out_variant_is_used_only_when_it_writes_in_place(out_op, args, outs, expected):
+    assert placement.writes_in_place(out_op, "cpu", args, outs) is expected
+
+
+def test_composite_aten_ops_run_as_their_parts_but_custom_ops_stay_whole():
+    assert placement.decomposes(aten.mul.Scalar, info(aten.mul.Scalar), "cpu")
+    assert placement.decomposes(aten.clone.default, info(aten.clone.default), "cpu")
+    assert not placement.decomposes(aten.convolution.default, info(aten.convolution.default), "cpu")  # FLOPs
+    assert not placement.decomposes(aten.mm.default, info(aten.mm.default), "cpu")  # a kernel of its own
+
+    @torch.library.custom_op("coop_arena_test::twice", mutates_args=())
+    def twice(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    twice.register_fake(lambda x: torch.empty_like(x))
+    f = torch.ops.coop_arena_test.twice.default
+    assert not placement.decomposes(f, info(f), "cpu")
+
+
+# ---------------------------------------------------------------------------------------------------- views
+def test_ops_returning_views_of_their_input_stay_views():
+    x = torch.randn(6, 8)
+    budget = coop_arena.Budget(1 << 20, device="cpu")
+    with budget:
+        y = x * 2
+        parts = aten.unsafe_split.Tensor(y, 2, 1)  # its schema marks no alias, yet it returns views
+        flat = aten._unsafe_view.default(y, [48])
+        assert all(p._cell.storage is y._cell.storage for p in parts)
+        assert flat._cell.storage is y._cell.storage
+        assert [p.stride() for p in parts] == [(8, 1)] * 4  # the strides the op produced, not contiguous ones
+        assert budget.stats.placed_bytes == 6 * 8 * 4       # only y was placed
+    assert torch.equal(parts[1].as_plain(), (x * 2)[:, 2:4])
+
+
+def _cell_loop(cell_cls, lstm: bool):
+    def run(budget):
+        torch.manual_seed(0)
+        cell = cell_cls(32, 48)
+        xs = torch.randn(48, 8, 32)  # long enough for half the peak to lie well above the lower bound
+        with budget if budget is not None else contextlib.nullcontext():
+            h = torch.zeros(8, 48)
+            state = (h, torch.zeros(8, 48)) if lstm else h
+            outs = []
+            for x in xs:
+                state = cell(x, state)
+                outs.append(state[0] if lstm else state)
+            torch.stack(outs).square().sum().backward()
+        return [p.grad.clone() for p in cell.parameters()]
+    return run
+
+
+def _gru(budget):
+    torch.manual_seed(0)
+    gru = nn.GRU(32, 48, batch_first=True)
+    x = torch.randn(8, 24, 32)
+    with budget if budget is not None else contextlib.nullcontext():
+        out, _ = gru(x)
+        out.square().sum().backward()
+    return [p.grad.clone() for p in gru.parameters()]
+
+
+@pytest.mark.parametrize("run", [_gru, _cell_loop(nn.GRUCell, False), _cell_loop(nn.LSTMCell, True)],
+                         ids=["GRU", "GRUCell", "LSTMCell"])
+def test_recurrent_cells_are_bitwise_at_full_and_half_budget(run):
+    reference = run(None)
+    probe = coop_arena.Budget(1 << 28, device="cpu")
+    assert all(torch.equal(a, b) for a, b in zip(reference, run(probe)))
+    assert probe.stats.evictions == 0
+    # half the peak; nn.GRU projects the whole sequence at once, so its lower bound is about 0.7 of its peak:
+    # it takes the first tenth above half that lies above its lower bound and fits
+    for fraction in (0.5, 0.6, 0.7, 0.8, 0.9):
+        if fraction * probe.stats.peak_bytes > probe.stats.lower_bound:
+            tight = coop_arena.Budget(int(fraction * probe.stats.peak_bytes), device="cpu")
+            try:
+                grads = run(tight)
+                break
+            except coop_arena.OutOfBudget:
+                assert run is _gru, f"{run} does not fit half its peak"
+    assert all(torch.equal(a, b) for a, b in zip(reference, grads))
+    assert tight.stats.evictions > 0 and tight.stats.rematerializations > 0
+
+
+# ------------------------------------------------------------------------------------------------ accounting
+def _stats(name, fraction=None):
+    probe = coop_arena.Budget(1 << 28, device="cpu")
+    train(name, probe, steps=1)
+    if fraction is None:
+        return probe.stats
+    b = coop_arena.Budget(int(fraction * probe.stats.peak_bytes), device="cpu")
+    train(name, b, steps=1)
+    return b.stats
+
+
+@pytest.mark.parametrize("name,fraction", [("mlp", None), ("mlp", 0.5), ("gpt", None), ("gpt", 0.5)])
+def test_most_output_bytes_are_written_straight_into_the_arena(name, fraction):
+    st = _stats(name, fraction)
+    direct = (st.placed_bytes - st.temporary_bytes) / st.placed_bytes
+    assert direct >= 0.8, f"{name}: {direct:.2f} of {st.placed_bytes} output bytes placed directly"
+    if fraction is not None:
+        assert st.rematerializations > 0  # replays placed too
+
+
+def test_temporaries_are_counted_and_bounded_by_one_ops_outputs():
+    """The CNN's convolutions and the backward of its BatchNorm have no out= kernel that writes in place: their
+    outputs go through temporaries, counted, and never more at once than one op's outputs."""
+    outputs = []
+    orig = coop_arena.dispatch.Dispatch._run_temporary
+
+    def spy(self, call, plan):
+        before = self.counters.temporary_bytes
+        res = orig(self, call, plan)
+        outputs.append((str(call.func), self.counters.temporary_bytes - before))
+        return res
+
+    coop_arena.dispatch.Dispatch._run_temporary = spy
+    try:
+        st = _stats("cnn", 0.5)
+    finally:
+        coop_arena.dispatch.Dispatch._run_temporary = orig
+    assert st.temporary_bytes > 0 and 0 < st.temporary_peak <= max(n for _, n in outputs)
+    assert {f for f, n in outputs if n} <= {"aten.convolution.default", "aten.convolution_backward.default",
+                                            "aten.native_batch_norm_backward.default"}
+    assert st.placed_bytes > st.temporary_bytes
+    assert _stats("mlp", 0.5).temporary_bytes == 0
