@@ -186,13 +186,13 @@ def record(model, inputs) -> Program:
 
     def run(rt, func, args, kwargs):
         nonlocal op
-        op = [[], [], 0.0]
+        outer, op = op, [[], [], 0.0]  # a composite op runs its parts as nested ops: each is an event of its own
         try:
             return original_run(rt, func, args, kwargs)
         finally:
             if op[0] or op[1]:
                 events.append(Event(tuple(dict.fromkeys(op[0])), tuple(op[1]), op[2], "op"))
-            op = None
+            op = outer
 
     def grad_read(p):
         if isinstance(p.grad, coop_arena.Tensor):

@@ -3,37 +3,143 @@
 It hands out typed, strided views of byte ranges. Views are built from one cached typed alias of the whole
 buffer per dtype, so a view costs one `as_strided`. Offsets handed in are block offsets (aligned), so they are
 multiples of every dtype's item size. On `meta` nothing is allocated: a dry run has shapes but no data.
+
+Invariants (enforced here):
+1. `device` is normalised once (`resolve_device`): the device tensors allocated there report, index included
+   (`cpu`, `meta`, `cuda:N`), so comparing a tensor's `.device` with it is exact.
+2. Bytes move between arena ranges only through `move` (relocation, copy-on-write): the Triton `arena_move`
+   kernel on CUDA, `copy_` on the CPU, nothing on meta. Ranges may overlap (memmove semantics).
+3. Every range is reused only on the stream that last used it (Note [Streams]); `check_stream` refuses an op
+   on another stream.
+
+Note [Streams]
+  Rationale: the arena hands one range to many tensors over a step, and the runtime decides on the host when a
+    range is free (a tensor freed or evicted) without waiting for the device. That is safe only if every kernel
+    that reads or writes the range runs on one stream: then a later kernel that reuses the range is queued
+    after every earlier kernel that touched it, and no host synchronisation is needed (the same reasoning as
+    PyTorch's caching allocator, which ties each block to the stream it was allocated on).
+  Approach: `bind_stream` records the current stream when a Budget block is entered; every op dispatched in
+    the block (and `coop_arena.pinned`) calls `check_stream`, which raises BudgetUsageError if the current
+    stream is another one, before anything changes. Autograd runs each backward op on the stream of its
+    forward op, so a block entered on stream S stays on S. A block entered on another stream than the previous
+    block first makes the new stream wait for the old one (the previous block's last copies may still be
+    reading the arena), and `record_stream` tells the caching allocator the buffer was used there.
+  Limitations: work that does not go through the dispatcher is not seen. A kernel launched by hand on a side
+    stream through a `pinned()` view must be ordered with the Budget's stream on both ends: the side stream
+    waits for the Budget's stream before it reads (`side.wait_stream(torch.cuda.current_stream())`), and the
+    Budget's stream waits for the side stream before the `with pinned(...)` ends
+    (`torch.cuda.current_stream().wait_stream(side)`). Collectives run on their own communication stream:
+    a blocking call (`async_op=False`) makes the current stream wait for it, as does `work.wait()`; an
+    asynchronous collective on arena tensors must be waited on before those tensors are freed or the block
+    ends. CUDA graph capture is not supported.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .errors import BudgetUsageError, _internal_assert
+
 DEVICES = ("cpu", "cuda", "meta")
+BACKENDS = ("torch", "cupy")  # who allocates the buffer (cupy: CuPy, shared with torch through DLPack)
+
+
+def check_backend(backend) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; accepted: {', '.join(BACKENDS)} (cupy: the arena is "
+                         f"allocated by CuPy and shared with torch through DLPack, pip install 'coop-arena[cupy]')")
 
 
 def resolve_device(device) -> torch.device:
+    """The device an arena for `device` lives on, normalised (invariant 1): None means `cuda:<current>` when CUDA
+    is available, else `cpu`; `cuda` means `cuda:<current>`; `cpu:0` means `cpu`."""
     if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"unknown device {device!r}; expected one of {', '.join(DEVICES)} (or 'cuda:N')") from e
     if dev.type not in DEVICES:
         raise ValueError(f"unsupported device {device!r}; expected one of {', '.join(DEVICES)} (or 'cuda:N')")
-    if dev.type == "cuda" and not torch.cuda.is_available():
+    if dev.type != "cuda":
+        return torch.device(dev.type)  # CPU and meta tensors report no index, whatever index was asked for
+    if not torch.cuda.is_available():
         raise ValueError(f"device {device!r} was asked for but CUDA is not available here; use 'cpu' or 'meta'")
-    return dev
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    count = torch.cuda.device_count()
+    if not 0 <= index < count:
+        raise ValueError(f"device {device!r} was asked for but this machine has {count} CUDA device(s) "
+                         f"(cuda:0 to cuda:{count - 1})")
+    return torch.device("cuda", index)
+
+
+# ----------------------------------------------------------------------------------------------------- streams
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # present in CUDA builds: no Stream object
+
+
+def _current_stream(device: torch.device):
+    """The current stream of `device` as a torch.cuda.Stream, or None where there are no streams."""
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
+def _stream_id(device: torch.device):
+    """The raw handle of `device`'s current stream (cheap: called once per op), or None off CUDA."""
+    if device.type != "cuda":
+        return None
+    if _raw_stream is not None:
+        return _raw_stream(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _show(stream_id) -> str:
+    return f"{stream_id:#x}" if isinstance(stream_id, int) else repr(stream_id)
+
+
+# ----------------------------------------------------------------------------------------------------- buffers
+def _torch_buffer(nbytes: int, device: torch.device):
+    return torch.empty(nbytes, dtype=torch.uint8, device=device), None
+
+
+def _cupy_buffer(nbytes: int, device: torch.device):
+    """The buffer allocated by CuPy (cudaMalloc, outside CuPy's memory pool, so it goes back to the device when
+    the arena dies) and shared with torch through DLPack without a copy. Returns (tensor, the CuPy array that
+    owns the memory: kept alive as long as the arena)."""
+    if device.type != "cuda":
+        raise ValueError(f"backend='cupy' allocates the arena with CuPy on a CUDA device, but the device is "
+                         f"{device}; use backend='torch' there (or device='cuda' on a machine with a GPU)")
+    try:
+        import cupy
+    except ImportError as e:
+        raise ImportError(f"backend='cupy' needs CuPy, which does not import here ({e}); install it with "
+                          f"pip install 'coop-arena[cupy]', or use backend='torch'") from e
+    with cupy.cuda.Device(device.index):
+        memory = cupy.cuda.Memory(nbytes)
+        array = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
+        buffer = torch.from_dlpack(array)
+    _internal_assert(buffer.device == device and buffer.dtype == torch.uint8 and buffer.numel() == nbytes
+                     and buffer.data_ptr() == array.data.ptr,
+                     f"the CuPy buffer came through DLPack as {buffer.dtype}[{buffer.numel()}] on {buffer.device}")
+    return buffer, array
 
 
 class Arena:
-    def __init__(self, nbytes: int, device: torch.device, usable: int):
+    def __init__(self, nbytes: int, device: torch.device, usable: int, *, backend: str = "torch",
+                 copy_kernel: bool | None = None):
+        """`device` as normalised by `resolve_device`. `copy_kernel` chooses how `move` copies: None, the
+        Triton kernel on CUDA and `copy_` on the CPU; True, the Triton kernel wherever it can run (on CPU
+        tensors only in Triton's interpreter: tests); False, `copy_` everywhere."""
+        check_backend(backend)
         self.nbytes = nbytes
         self.device = device
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.backend = backend
+        make = _cupy_buffer if backend == "cupy" else _torch_buffer
+        self.buffer, self._owner = make(nbytes, device)  # _owner: CuPy's array, alive as long as the arena
         self._usable = self.buffer[:usable]
         self._typed: dict[torch.dtype, torch.Tensor] = {}
         self.key = self.buffer.untyped_storage()._cdata  # identity of the arena's storage (works on meta too)
+        self._move = None if device.type == "meta" else self._pick_mover(copy_kernel)
+        self.stream = None  # raw id of the stream of the block in progress (Note [Streams])
+        self._last_stream = _current_stream(device)  # the stream that last used the buffer (allocation, a block)
 
     def owns(self, t: torch.Tensor) -> bool:
         return t.untyped_storage()._cdata == self.key
@@ -47,3 +153,52 @@ class Arena:
 
     def bytes(self, byte_offset: int, nbytes: int) -> torch.Tensor:
         return self.buffer[byte_offset : byte_offset + nbytes]
+
+    # ------------------------------------------------------------------------------------------------ moves
+    def move(self, src: int, dst: int, nbytes: int) -> None:
+        """Copy `nbytes` bytes from arena offset `src` to `dst` (invariant 2). The ranges may overlap; the result
+        is that of a copy through a temporary. Asynchronous on CUDA, on the current stream."""
+        _internal_assert(0 <= min(src, dst) and 0 <= nbytes and max(src, dst) + nbytes <= self.nbytes,
+                         f"arena move of {nbytes} bytes from {src} to {dst} in an arena of {self.nbytes}")
+        if self._move is not None and nbytes > 0 and src != dst:
+            self._move(src, dst, nbytes)
+
+    def _pick_mover(self, copy_kernel: bool | None):
+        if copy_kernel is None:
+            copy_kernel = self.device.type == "cuda"
+        if not copy_kernel:
+            return self._move_torch
+        from .kernels import kernels_available
+        if not kernels_available(self.device):
+            raise ValueError(f"copy_kernel=True, but the Triton kernels cannot run on {self.device} here (on the "
+                             f"CPU only in Triton's interpreter, TRITON_INTERPRET=1 before triton is imported)")
+        from .kernels.copy import arena_move
+        return lambda src, dst, nbytes: arena_move(self.buffer, src, dst, nbytes)
+
+    def _move_torch(self, src: int, dst: int, nbytes: int) -> None:
+        source = self.bytes(src, nbytes)
+        if abs(dst - src) < nbytes:  # overlapping: copy_ refuses shared memory, so go through a temporary
+            source = source.clone()
+        self.bytes(dst, nbytes).copy_(source)
+
+    # ---------------------------------------------------------------------------------------------- streams
+    def bind_stream(self) -> None:
+        """Start of a Budget block: the current stream becomes the only one the block may use (Note [Streams])."""
+        now = _current_stream(self.device)
+        if now is not None and self._last_stream is not None and now != self._last_stream:
+            now.wait_stream(self._last_stream)  # the previous block's copies out of the arena may still run there
+            if self.backend == "torch" and self.device.type == "cuda":
+                self.buffer.record_stream(now)  # the caching allocator must not reuse the buffer before `now` ends
+        self._last_stream = now
+        self.stream = _stream_id(self.device)
+
+    def check_stream(self, what) -> None:
+        """Raise BudgetUsageError unless the current stream is the block's (Note [Streams])."""
+        now = _stream_id(self.device)
+        if now != self.stream:
+            raise BudgetUsageError(
+                f"{what} was called on CUDA stream {_show(now)}, but this Budget's block runs on stream "
+                f"{_show(self.stream)}: every arena range is reused only on the stream that last used it. Run "
+                f"the block's ops on the stream it was entered on (enter the Budget inside `with "
+                f"torch.cuda.stream(s):` to use stream s), and order side-stream work on pinned() views with "
+                f"wait_stream on both ends")

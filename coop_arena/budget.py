@@ -8,20 +8,29 @@
 
 The arena is allocated once per Budget and reused by every later block. Configuration is constructor arguments,
 validated here; nothing reads the environment.
+
+While a block runs, the Budget also holds three global hooks, removed when it ends: torch.optim's step pre and
+post hooks, so that `optimizer.step()` inside the block runs as without a Budget (optimizer.py, Note [Optimizer
+steps]), and a module forward pre-hook that warns once when a compiled module runs inside the block (PyTorch runs
+it uncompiled under any dispatch mode, and keeps it uncompiled afterwards until `torch._dynamo.reset()`).
 """
 
 from __future__ import annotations
 
+import sys
 import threading
+import warnings
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .arena import Arena, resolve_device
-from .errors import BudgetUsageError, _internal_assert
+from .arena import Arena, check_backend, resolve_device
+from .bookkeeping import Bookkeeping
+from .errors import ArenaAllocationError, BudgetUsageError, CompileNotApplied, _fmt, _internal_assert
 from .memory import Memory
+from .optimizer import Steps
 from .policy import POLICIES
 from .recipe import plain_dispatch
 from .runtime import Runtime, raise_recursion_limit
@@ -68,15 +77,23 @@ class _Mode(TorchDispatchMode):
     def __init__(self, runtime: Runtime):
         super().__init__()
         self.runtime = runtime
+        self.arena = runtime.arena
+        self.steps = Steps(runtime)  # optimizer steps in progress (optimizer.py)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return self.runtime.run(func, args, kwargs or {})
+        kwargs = kwargs or {}
+        if self.arena.stream is not None:  # CUDA: Note [Streams] in arena.py
+            self.arena.check_stream(func)
+        if self.steps.frames and self.steps.plain(args, kwargs):
+            return func(*args, **kwargs)  # See Rule 1: a step of an optimizer runs as without a Budget
+        return self.runtime.run(func, args, kwargs)
 
 
 class Budget:
     def __init__(self, nbytes: int, *, device=None, policy: str = "coop", partition: bool = True,
                  recomputable_inplace: bool = True, alignment: int = 512, cheap_density: float = 4.0,
-                 trace_len: int = 10_000, max_overhead: float | None = None, relocate: bool = True):
+                 trace_len: int = 10_000, max_overhead: float | None = None, relocate: bool = True,
+                 backend: str = "torch"):
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"nbytes must be a positive int number of bytes, got {nbytes!r} "
                              f"(for example coop_arena.Budget(4 << 30) for 4 GiB)")
@@ -90,15 +107,22 @@ class Budget:
                                          or not max_overhead > 1.0):
             raise ValueError(f"max_overhead must be None (no limit) or a number > 1, got {max_overhead!r} (for "
                              f"example 10: stop with Thrashing once recomputation costs 9x the ops run so far)")
+        check_backend(backend)
         self.max_overhead = None if max_overhead is None else float(max_overhead)
         self.device = resolve_device(device)
         self.policy = policy
         self.recomputable_inplace = recomputable_inplace
         self.memory = Memory(nbytes, policy=policy, partition=partition, alignment=alignment,
                              cheap_density=cheap_density, trace_len=trace_len, relocate=relocate)
-        self.arena = Arena(nbytes, self.device, self.memory.table.usable)
+        try:
+            self.arena = Arena(nbytes, self.device, self.memory.table.usable, backend=backend)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            raise ArenaAllocationError(nbytes, str(self.device), str(e).strip().splitlines()[0]) from e
         self._runtime: Runtime | None = None
         self._mode: _Mode | None = None
+        self._module_hook = None
+        self._compile_warned = False
+        self._bookkeeping: Bookkeeping | None = None
         self._stats: BudgetStats | None = None
         self._trace: list = []
 
@@ -112,11 +136,16 @@ class Budget:
             raise BudgetUsageError(f"{other!r} is already active; Budgets do not nest. Leave it before entering "
                                    f"{self!r}, or use one Budget for the whole step")
         raise_recursion_limit()
+        self.arena.bind_stream()
         self.memory.reset()
+        self._bookkeeping = Bookkeeping()
         self._runtime = Runtime(self.memory, self.arena, recomputable_inplace=self.recomputable_inplace,
-                                max_overhead=self.max_overhead)
+                                max_overhead=self.max_overhead, explain=self._explain_thrashing,
+                                bookkeeping=self._bookkeeping)
         self._mode = self._runtime.mode = _Mode(self._runtime)
+        self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(_warn_if_compiled)
         self._mode.__enter__()
+        self._bookkeeping.open()
         _active.budget = self
         return self
 
@@ -125,8 +154,11 @@ class Budget:
         try:
             self._mode.__exit__(None, None, None)
         finally:
+            self._bookkeeping.close()
             _active.budget = None
-            rt, self._mode = self._runtime, None
+            self._mode.steps.remove()
+            self._module_hook.remove()
+            rt, self._mode, self._module_hook = self._runtime, None, None
             try:
                 rt.finish(failed=exc_type is not None)
             finally:
@@ -135,6 +167,19 @@ class Budget:
                 self.memory.reset()
                 self._runtime = None
         return False
+
+    def _explain_thrashing(self) -> str:
+        """What a thrashing step's RuntimeWarning tells its user (Remat warns once per block)."""
+        if not self.memory.stats.eviction_events:
+            return (f"No placement in the budget of {_fmt(self.memory.budget)} has needed an eviction: the tensors "
+                    f"recomputed were evicted by hand (Memory.evict).")
+        stop = (f"max_overhead={self.max_overhead:g} stops it with coop_arena.Thrashing at that overhead"
+                if self.max_overhead is not None else
+                "pass max_overhead (for example max_overhead=10) to stop such a step with coop_arena.Thrashing "
+                "instead of letting it run on")
+        return (f"The budget of {_fmt(self.memory.budget)} is too small for this step to run without recomputing "
+                f"most of it. `coop-arena plan MODEL --budget BYTES` finds the overhead of a budget in a dry run "
+                f"without running the model; raise the budget, use a smaller batch, or {stop}.")
 
     def _collect(self, rt: Runtime) -> BudgetStats:
         m, c = self.memory.stats, rt.counters
@@ -171,6 +216,22 @@ class Budget:
         self.memory.check_invariants()
 
 
+def _warn_if_compiled(module, args) -> None:
+    """Global module forward pre-hook while a Budget is active: a compiled module runs uncompiled in a Budget."""
+    budget = getattr(_active, "budget", None)
+    if budget is None or budget._compile_warned:
+        return
+    frames = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing can have been compiled
+    if (frames is not None and isinstance(module, frames.OptimizedModule)) or getattr(
+            module, "_compiled_call_impl", None) is not None:
+        budget._compile_warned = True
+        warnings.warn(
+            f"{type(module).__name__} is compiled (torch.compile), but runs uncompiled inside {budget!r}: PyTorch "
+            f"does not apply torch.compile while a dispatch mode is active, and a model first called inside a Budget "
+            f"stays uncompiled afterwards until torch._dynamo.reset(). The step still runs exactly, eagerly, under "
+            f"the budget.", CompileNotApplied, stacklevel=2)
+
+
 @contextmanager
 def pinned(t: Tensor, *, readonly: bool = False):
     """A plain tensor over `t`'s arena bytes that cannot be evicted while the `with` lasts, for launching a
@@ -183,6 +244,7 @@ def pinned(t: Tensor, *, readonly: bool = False):
     if rt is None:
         yield t.as_plain()
         return
+    rt.arena.check_stream("coop_arena.pinned")  # Note [Streams] in arena.py
     with plain_dispatch():
         rt.remat.acquire([s], "coop_arena.pinned")
         rt.memory.fix(s)  # the raw view must stay valid: never relocated either

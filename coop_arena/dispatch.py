@@ -28,7 +28,8 @@ import weakref
 import numpy as np
 import torch
 
-from . import ops, placement
+from . import collectives, ops, placement
+from .bookkeeping import run_outside
 from .cost import op_cost
 from .errors import BudgetUsageError, UnsupportedOp, _internal_assert
 from .recipe import ArgRef, Data, Recipe, capture_rng, dead_ref, plain_dispatch
@@ -62,6 +63,7 @@ class Dispatch:
         self.remat = runtime.remat
         self.lifetime = runtime.lifetime
         self.recomputable_inplace = recomputable_inplace
+        self.bookkeeping = runtime.bookkeeping         # other engines' work, run outside the arena (or None)
         self._ext_readers: dict[int, list] = {}     # external storage key -> weakrefs of storages reading it
 
     # ============================================================================================ dispatch
@@ -70,20 +72,20 @@ class Dispatch:
         if lifetime.dead:
             lifetime.drain()
         op = ops.info(func)
+        if op.effectful:  # See Rule 5: collectives.py
+            return collectives.run(self, func, args, kwargs)
         if op.inplace_view:
             return self._run_inplace_view(func, args, kwargs)
         leaves, spec = ops.flatten(args, kwargs)
         call = _Call(func, op, args, kwargs, leaves, spec)
         pins = []
         try:
-            owner = {}  # leaf index -> the storage it reads (a wrapper, or a raw view from as_plain/pinned)
-            for i, x in enumerate(leaves):
-                if isinstance(x, Tensor):
-                    if x._cell.storage.payload.runtime is self.runtime:
-                        owner[i] = x._cell.storage
-                elif isinstance(x, torch.Tensor) and self.arena.owns(x):
-                    owner[i] = self._storage_at(x, func)
+            owner = self.owners(leaves, func)
             mine = {s.sid: s for s in owner.values()}
+            if not mine and self.bookkeeping is not None and self.bookkeeping.active():  # See bookkeeping.py
+                written = [v for _, value in self._written(call, args, kwargs)
+                           for v in (value if isinstance(value, (list, tuple)) else [value]) if v is not None]
+                return run_outside(self, func, args, kwargs, written)
             call.inputs = [mine[sid] for sid in sorted(mine)]  # program order
             pins = self.remat.acquire(call.inputs, str(func))
             for s in call.inputs:
@@ -109,13 +111,7 @@ class Dispatch:
         plain, recorded = list(leaves), list(leaves)
         for i, x in enumerate(leaves):
             if i in owner:
-                s = owner[i]
-                offset = x.storage_offset()
-                if not isinstance(x, Tensor):  # a raw view: its offset counts from the arena's start
-                    offset -= s.offset // x.element_size()
-                size, stride = tuple(x.size()), tuple(x.stride())
-                plain[i] = self.arena.view(s.offset, x.dtype, size, stride, offset)
-                recorded[i] = ArgRef(s, s.payload.version, x.dtype, size, stride, offset)
+                plain[i], recorded[i] = self.arena_arg(x, owner[i])
             elif isinstance(x, torch.Tensor):  # See Rule 1: read, never moved
                 p = x.as_plain() if isinstance(x, Tensor) else x
                 if p.device != self.device and p.dim() > 0:
@@ -469,6 +465,26 @@ class Dispatch:
                 lst.extend(weakref.ref(s) for s in storages)
 
     # ------------------------------------------------------------------------------------------- lookups
+    def owners(self, leaves, func) -> dict:
+        """Leaf index -> the storage of this block it reads (a wrapper, or a raw view from as_plain/pinned)."""
+        owner = {}
+        for i, x in enumerate(leaves):
+            if isinstance(x, Tensor):
+                if x._cell.storage.payload.runtime is self.runtime:
+                    owner[i] = x._cell.storage
+            elif isinstance(x, torch.Tensor) and self.arena.owns(x):
+                owner[i] = self._storage_at(x, func)
+        return owner
+
+    def arena_arg(self, x, s: Storage):
+        """(plain view of the arena, ArgRef) for argument `x`, which lies in storage `s`."""
+        offset = x.storage_offset()
+        if not isinstance(x, Tensor):  # a raw view: its offset counts from the arena's start
+            offset -= s.offset // x.element_size()
+        size, stride = tuple(x.size()), tuple(x.stride())
+        return (self.arena.view(s.offset, x.dtype, size, stride, offset),
+                ArgRef(s, s.payload.version, x.dtype, size, stride, offset))
+
     def _storage_at(self, t: torch.Tensor, func) -> Storage:
         """The resident storage holding a raw arena view's first byte."""
         byte = t.storage_offset() * t.element_size()

@@ -22,20 +22,43 @@ class OutOfBudget(CoopArenaError):
     """A request that cannot be met even after evicting everything evictable.
 
     Raised before anything changes (Rule 7): the block table, the stats and every live tensor are as they were.
+    The bytes that eviction cannot touch come in two kinds, kept apart because they call for different fixes:
+    `pinned` bytes are held for the op in progress (its inputs, the outputs placed so far, the inputs of a
+    recompute it needs: all of them must be resident at once; also tensors held by `coop_arena.pinned`), and
+    `unevictable` bytes belong to tensors that can never be recomputed (outputs of effectful ops, tensors written
+    through `coop_arena.pinned`, readers of a value that was overwritten).
     """
 
-    def __init__(self, requested: int, budget: int, unevictable: int, largest_window: int, op: str | None = None):
+    def __init__(self, requested: int, budget: int, unevictable: int, largest_window: int, op: str | None = None,
+                 *, pinned: int = 0, restore: bool = False):
         self.requested = requested
         self.budget = budget
         self.unevictable = unevictable
+        self.pinned = pinned
         self.largest_window = largest_window
         self.op = op
-        where = f" for the output of {op}" if op else ""
+        self.restore = restore  # True: the request was a restore of an evicted tensor the op needs
+        if op is None:
+            what, holder = "", "the op in progress"
+        elif restore:
+            what, holder = f" to restore an evicted tensor that {op} needs", op
+        else:
+            what, holder = f" for the output of {op}", op
+        at_once = pinned + requested
+        if at_once + unevictable > budget:
+            advice = (f"{holder} needs at least {_fmt(at_once)} resident at once (what it pins plus this request), "
+                      f"which with the unevictable bytes is more than the budget. Raise the budget to at least "
+                      f"{_fmt(at_once + unevictable)}")
+        else:
+            advice = (f"The pinned and unevictable blocks split the rest into ranges too small for this request. "
+                      f"Raise the budget (at least {_fmt(requested - largest_window)} more would be needed for this "
+                      f"request)")
         super().__init__(
-            f"cannot place {_fmt(requested)}{where}: the budget is {_fmt(budget)}, of which {_fmt(unevictable)} "
-            f"is held by unevictable or pinned tensors, and the largest contiguous range that eviction could "
-            f"free is {_fmt(largest_window)}. Raise the budget (at least {_fmt(requested - largest_window)} more "
-            f"would be needed for this request), use a smaller batch, or keep fewer tensors alive across the step."
+            f"cannot place {_fmt(requested)}{what}: the budget is {_fmt(budget)}, of which {_fmt(pinned)} is pinned "
+            f"for {holder} (its inputs, its outputs placed so far and the inputs of any recompute it needs) and "
+            f"{_fmt(unevictable)} is held by unevictable tensors; the largest contiguous range that eviction could "
+            f"free is {_fmt(largest_window)}. {advice}, use a smaller batch, or keep fewer tensors alive across the "
+            f"step."
         )
 
 
@@ -73,6 +96,20 @@ class BudgetUsageError(CoopArenaError):
     """A Budget used the wrong way: nested, re-entered, or given a tensor on another device."""
 
 
+class ArenaAllocationError(CoopArenaError):
+    """The device could not allocate a Budget's arena (raised by the Budget's constructor, before any block)."""
+
+    def __init__(self, nbytes: int, device: str, reason: str):
+        self.nbytes = nbytes
+        self.device = device
+        self.reason = reason
+        super().__init__(
+            f"could not allocate the arena of {_fmt(nbytes)} on {device}: the device refused it ({reason}). The "
+            f"arena is allocated at once, in full, when the Budget is made: ask for a budget that the device has "
+            f"free, or plan one without allocating anything with device='meta' (`coop-arena plan`)."
+        )
+
+
 class RawMemoryError(BudgetUsageError):
     """Raw memory of a tensor asked for inside its Budget (a pointer, its storage, a numpy array or DLPack capsule
     sharing its bytes): the bytes live in the arena, where any later op may evict or move them."""
@@ -90,6 +127,10 @@ class RawMemoryError(BudgetUsageError):
 
 class TensorLost(CoopArenaError):
     """A tensor that escaped a failed block could not be restored, so its value is gone."""
+
+
+class CompileNotApplied(UserWarning):
+    """A compiled module (torch.compile) ran inside a Budget, where PyTorch runs it uncompiled."""
 
 
 class InternalError(CoopArenaError):

@@ -180,8 +180,8 @@ class Lifetime:
 
 def backs_evicted_live(s: Storage, limit: int = 256) -> bool:
     """True when a restore of some evicted storage that a wrapper still uses would read `s` (directly, or through
-    evicted storages only): evicting `s` would lengthen that recompute. A walk past `limit` storages answers True
-    (keeping is always safe)."""
+    evicted storages only): evicting `s` would lengthen that recompute. A walk past `limit` storages answers False
+    (the choice that holds less memory; both are correct)."""
     seen = {s.sid}
     work = [s]
     while work:
@@ -190,7 +190,7 @@ def backs_evicted_live(s: Storage, limit: int = 256) -> bool:
                 if r.payload.wrappers:
                     return True
                 if len(seen) >= limit:
-                    return True
+                    return False
                 seen.add(r.sid)
                 work.append(r)
     return False

@@ -298,8 +298,11 @@ class Memory:
             if plan is None:
                 self.trace.add("out_of_budget", s.sid, -1, s.nbytes, self.clock)
                 _, sizes, kind, _, _ = self._columns()
-                raise OutOfBudget(s.nbytes, table.nbytes, int(sizes[kind == BLOCKED].sum()),
-                                  _policy.largest_window(sizes, kind), op)
+                blocked = sizes[kind == BLOCKED]  # pinned for the op in progress, or unevictable
+                held = np.array([self._slots[o - 1].pins > 0 for o in table.owners[kind == BLOCKED].tolist()], bool)
+                raise OutOfBudget(s.nbytes, table.nbytes, int(blocked[~held].sum()),
+                                  _policy.largest_window(sizes, kind), op, pinned=int(blocked[held].sum()),
+                                  restore=s.sid < self._next_sid)  # a restored storage already has its id
             at = self._apply(plan, need, dt, moves)
         slot = self._free_slots.pop() if self._free_slots else self._new_slot()
         s.offset = table.place(at, need, slot + 1, high=self.partition and not s.expensive)

@@ -211,6 +211,8 @@ class Remat:
         d = s.payload
         recipe = d.recipe
         cost = 0.0
+        for r in [recipe, *d.mutations[:version]]:  # See Rule 5: collectives keep no recipe (collectives.py)
+            _internal_assert(not ops.info(r.func).effectful, f"storage {s.sid}'s recipe holds the collective {r.func}")
         if recipe.uninitialized:
             pass  # the range is all a replay needs
         elif recipe.direct is not None:

@@ -7,8 +7,8 @@
     Arena    (arena.py)      the bytes
 
 The Rules (../shared DESIGN numbering, extended) are written at the top of the module that enforces each:
-1, 2 lifetime.py; 3, 6, 7 (thrashing), 9, 10 remat.py; 4, 8 recipe.py; 5, 6 (writes), 7 (outputs) dispatch.py;
-3, 7, 8 (placement) memory.py.
+1, 2 lifetime.py; 1 (other engines' state) bookkeeping.py; 3, 6, 7 (thrashing), 9, 10 remat.py; 4, 8 recipe.py;
+5, 6 (writes), 7 (outputs) dispatch.py; 5 (collectives) collectives.py; 3, 7, 8 (placement) memory.py.
 """
 
 from __future__ import annotations
@@ -29,13 +29,14 @@ from .telemetry import RuntimeCounters
 
 class Runtime:
     def __init__(self, memory: Memory, arena: Arena, *, recomputable_inplace: bool = True,
-                 max_overhead: float | None = None, explain=None):
+                 max_overhead: float | None = None, explain=None, bookkeeping=None):
         self.memory = memory
         self.arena = arena
         self.device = arena.device
         self.counters = RuntimeCounters()
         memory.mover = self.copy_bytes
         memory.may_relocate = True
+        self.bookkeeping = bookkeeping  # bookkeeping.Bookkeeping: other engines' work in the block, or None
         self.remat = Remat(memory, arena, self.counters, max_overhead=max_overhead, explain=explain)
         self.lifetime = Lifetime(memory, arena, self.counters)
         self.dispatch = Dispatch(self, recomputable_inplace=recomputable_inplace)
@@ -60,8 +61,7 @@ class Runtime:
     def copy_bytes(self, src: int, dst: int, nbytes: int) -> None:
         """Copy a storage's bytes between two arena ranges that do not overlap (copy-on-write, Note
         [Relocation] in memory.py)."""
-        if self.device.type != "meta":
-            self.arena.bytes(dst, nbytes).copy_(self.arena.bytes(src, nbytes))
+        self.arena.move(src, dst, nbytes)
 
     def finish(self, failed: bool = False) -> None:
         self.lifetime.finish(self.remat, failed)

@@ -189,10 +189,6 @@ def test_not_a_chain_is_refused():
         chain.chain_of(chain.record(model, (x,)))
 
 
-@pytest.mark.xfail(strict=False, reason="eviction quality is being fixed elsewhere (issue 8). Measured with "
-                   "`python -m bench.chain` (bench/results/chain.md): 100 layers at ratio 0.3, optimal 1.251x, coop "
-                   "and dtr both stop with Thrashing past 20x (> 16x the optimum); at ratio 0.5 coop 13.1x (11.2x "
-                   "the optimum), dtr past 20x")
 @pytest.mark.parametrize("policy", ["coop", "dtr"])
 def test_engine_close_to_optimum_on_a_100_layer_chain(policy):
     """Generous: 1.5x the optimal overhead (the target is 1.25x); the step stops as soon as it passes that."""

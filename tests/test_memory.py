@@ -343,8 +343,8 @@ def test_out_of_budget_reports_and_changes_nothing(policy):
     with pytest.raises(OutOfBudget) as info:
         m.allocate(3 * U, 1.0, op="aten.mm.default")
     err = info.value
-    assert (err.requested, err.budget, err.unevictable, err.largest_window, err.op) == (
-        3 * U, 6 * U, 2 * U, 2 * U, "aten.mm.default")
+    assert (err.requested, err.budget, err.pinned, err.unevictable, err.largest_window, err.op) == (
+        3 * U, 6 * U, U, U, 2 * U, "aten.mm.default")
     msg = str(err)
     assert "aten.mm.default" in msg and "1.50 KiB (1536 bytes)" in msg
     assert "Raise the budget" in msg and "512 bytes more" in msg and "smaller batch" in msg
@@ -365,7 +365,8 @@ def test_out_of_budget_on_restore_leaves_the_storage_evicted(policy):
     before = frozen(m)
     with pytest.raises(OutOfBudget) as info:
         m.restore(s["a"])
-    assert (info.value.requested, info.value.unevictable, info.value.largest_window) == (2 * U, 4 * U, 0)
+    e = info.value
+    assert (e.requested, e.pinned, e.unevictable, e.largest_window, e.restore) == (2 * U, 3 * U, U, 0, True)
     assert s["a"].state is State.EVICTED and s["a"].offset == -1
     assert frozen(m) == before
     m.check_invariants()

@@ -80,8 +80,9 @@ class Driver:
             out = call()
         except OutOfBudget as e:
             assert not fits and window < need, f"OutOfBudget for {need} bytes with a {window}-byte window"
-            assert (e.requested, e.largest_window, e.unevictable) == (s.nbytes if s else e.requested, window,
-                                                                      m.unevictable_bytes)
+            assert (e.requested, e.largest_window, e.pinned + e.unevictable) == (
+                s.nbytes if s else e.requested, window, m.unevictable_bytes)
+            assert e.restore == (s is not None)
             assert e.budget == m.budget
             assert self._frozen() == before
             assert [ev.kind for ev in list(m.trace.events)[n_events:]] == ["out_of_budget"]

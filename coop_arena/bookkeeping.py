@@ -1,0 +1,140 @@
+"""Bookkeeping: the work inside a block that is not the step's own, and runs outside the arena.
+
+Rule enforced here (see ../shared DESIGN numbering):
+1. Tensors that exist before the block are read, never moved, evicted or counted; so is the model-sized state
+   that other engines create inside it and keep across steps. Such state is made by ops that read nothing from
+   the arena while one of these runs:
+   - the forward bookkeeping of `DistributedDataParallel` (its forward minus the wrapped module's forward):
+     bucket rebuilding, buffer broadcasts, join notifications;
+   - the autograd engine's gradient accumulation hooks (DDP's reducer, an optimizer run from a
+     post-accumulate-grad hook) and its final callbacks (DDP's `finalize_backward`).
+   Those ops run on plain tensors and return plain tensors; a write they make into a tensor outside the arena
+   still freezes the storages that read its old value (Rule 5). An op that reads an arena tensor is the step's,
+   wherever it runs, and goes through the arena as usual.
+
+Note [DDP under a Budget]
+Rationale: DDP's reducer keeps tensors across steps and reads some of them in C++ through their data pointer.
+  At the second step's forward, `_rebuild_buckets` allocates an index tensor, fills it through an accessor and
+  broadcasts it, then allocates the new buckets and their per-parameter views (with
+  `gradient_as_bucket_view=True` each `.grad` then points into them). Made inside the arena these would be
+  wrappers without storage (the accessor fails: "data is not allocated yet") and, once given storage, arena
+  memory referenced by the reducer after the block. In backward, `finalize_backward` clones a bucket view into
+  the `.grad` of a parameter that was unused on this rank but used on another (`find_unused_parameters=True`).
+Approach: recognise the engines' own work by where it runs, not by what it is: a global module forward pre-hook
+  and forward hook (public `torch.nn.modules.module` API, installed only while a Budget is active) track the
+  DDP forward window; `torch._C._current_graph_task_id()` and `torch._C._current_autograd_node()` tell the
+  autograd engine's accumulation hooks (the node is an `AccumulateGrad`) and final callbacks (no node) from the
+  backward computation itself. Gradients still reach DDP as plain tensors because the accumulated gradient
+  leaves the arena in a post-accumulate-grad hook (lifetime.py), which the engine runs inside `AccumulateGrad`
+  before the node's post hooks, where DDP's reducer copies it into its bucket.
+Limitations: communication hooks whose future callbacks run on a backend thread are not covered (the default
+  hook has none); an op in the DDP window that reads nothing from the arena but produces an activation (a module
+  that returns its input unchanged, cloned by `_DDPSink`) stays outside the arena, uncounted.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import torch
+from torch.nn.modules import module as _module
+from torch.utils._pytree import tree_map
+
+from .errors import BudgetUsageError
+from .tensor import Tensor
+
+_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
+
+
+def _sharded() -> tuple:
+    """FSDP's module classes, if FSDP was imported (no FSDP module can exist before)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return () if fsdp is None else (fsdp.FSDPModule, fsdp.FullyShardedDataParallel)
+
+
+def _ddp_class():
+    if not torch.distributed.is_available():
+        return None
+    from torch.nn.parallel import DistributedDataParallel
+    return DistributedDataParallel
+
+
+class _Window:
+    """One DDP forward in progress: its wrapped module, and how deep inside that module's forward we are."""
+
+    __slots__ = ("ddp", "inner")
+
+    def __init__(self, ddp):
+        self.ddp = ddp
+        self.inner = 0
+
+
+class Bookkeeping:
+    """Tells whether an op runs as another engine's bookkeeping (see Rule 1 above). Installed by a Budget for
+    the length of one block."""
+
+    def __init__(self):
+        self._ddp = _ddp_class()
+        self._windows: list[_Window] = []
+        self._handles = ()
+        self._thread = threading.get_ident()  # module hooks are global: modules run by other threads are not ours
+
+    def open(self) -> None:
+        self._thread = threading.get_ident()
+        if self._ddp is not None:
+            self._handles = (_module.register_module_forward_pre_hook(self._pre),
+                             _module.register_module_forward_hook(self._post, always_call=True))
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = ()
+        self._windows.clear()
+
+    def _pre(self, module, args) -> None:
+        if threading.get_ident() != self._thread:
+            return
+        w = self._windows[-1] if self._windows else None
+        if w is not None and module is w.ddp.module:
+            w.inner += 1
+        elif isinstance(module, self._ddp) and hasattr(module, "reducer"):  # no reducer: nothing to keep apart
+            self._windows.append(_Window(module))
+        elif isinstance(module, _sharded()):
+            raise BudgetUsageError(
+                f"{type(module).__name__} runs inside a Budget, which FSDP does not support: FSDP frees and refills "
+                f"its unsharded parameters' storage between forward and backward (UntypedStorage.resize_, which no "
+                f"dispatch mode sees), so a recomputation could read freed memory, and it allocates them inside "
+                f"the first forward. Use DistributedDataParallel under a Budget, or run the FSDP model without one")
+
+    def _post(self, module, args, output) -> None:
+        if threading.get_ident() != self._thread:
+            return
+        w = self._windows[-1] if self._windows else None
+        if w is None:
+            return
+        if module is w.ddp.module and w.inner:
+            w.inner -= 1
+        elif module is w.ddp:
+            self._windows.pop()
+
+    def active(self) -> bool:
+        """True while an op that reads nothing from the arena belongs to an engine, not to the step."""
+        if self._windows and self._windows[-1].inner == 0:
+            return True
+        if torch._C._current_graph_task_id() < 0:
+            return False
+        node = torch._C._current_autograd_node()
+        return node is None or isinstance(node, _ACCUMULATE_GRAD)
+
+
+def run_outside(dispatch, func, args, kwargs, written) -> object:
+    """Run an op of an engine's bookkeeping on plain tensors (Rule 1 above). `written` are the tensors outside
+    the arena it may write: the storages that read their old value are frozen first (Rule 5)."""
+    for t in written:
+        dispatch._freeze_readers_of_external(_plain(t))
+    return func(*tree_map(_plain, args), **tree_map(_plain, kwargs))
+
+
+def _plain(x):
+    return x.as_plain() if isinstance(x, Tensor) else x  # a wrapper from an earlier block: its own copy

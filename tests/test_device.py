@@ -1,0 +1,260 @@
+"""The arena's device, its byte moves and its stream guard (coop_arena/arena.py), on the CPU.
+
+The CUDA branches are covered here by their logic (device resolution with the CUDA queries replaced, the stream
+check with fake streams, the Triton move kernel in Triton's interpreter); tests/test_gpu.py runs them for real.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import coop_arena
+from coop_arena import arena as arena_mod
+from coop_arena.arena import Arena, resolve_device
+from coop_arena.errors import InternalError
+from training import bitwise_equal, state, train
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ------------------------------------------------------------------------------------------------- devices
+@pytest.mark.parametrize("spelling", ["cpu", "cpu:0", torch.device("cpu"), torch.device("cpu", 0)])
+def test_cpu_spellings_resolve_to_the_device_tensors_report(spelling):
+    assert resolve_device(spelling) == torch.randn(1).device == torch.device("cpu")
+    budget = coop_arena.Budget(1 << 20, device=spelling)
+    w = torch.randn(8, 8)
+    with budget:
+        y = (w @ w).relu().sum()
+    assert budget.device == torch.device("cpu") and budget.stats.ops == 3 and budget.stats.peak_bytes > 0
+    assert torch.equal(y, (w @ w).relu().sum())
+
+
+@pytest.mark.parametrize("spelling", ["meta", "meta:0", torch.device("meta")])
+def test_meta_spellings(spelling):
+    assert resolve_device(spelling) == torch.empty(1, device="meta").device
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the default is CUDA on this machine (tests/test_gpu.py)")
+def test_default_device_without_cuda_is_cpu():
+    assert resolve_device(None) == torch.device("cpu")
+
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    """torch.cuda as a machine with two GPUs whose current device is cuda:1 would answer."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+
+def test_cuda_spellings_get_the_current_index(two_gpus):
+    for spelling in (None, "cuda", torch.device("cuda")):
+        assert resolve_device(spelling) == torch.device("cuda", 1)
+    for spelling in ("cuda:0", torch.device("cuda", 0)):
+        assert resolve_device(spelling) == torch.device("cuda", 0)
+    with pytest.raises(ValueError, match=r"2 CUDA device\(s\) \(cuda:0 to cuda:1\)"):
+        resolve_device("cuda:2")
+
+
+@pytest.mark.parametrize("spelling", ["tpu", "gpu", "cuda:x", 3.5])
+def test_bad_spellings(spelling):
+    with pytest.raises(ValueError, match="cpu, cuda, meta"):
+        resolve_device(spelling)
+
+
+def test_training_under_cpu_0_is_bitwise_plain_pytorch():
+    probe = coop_arena.Budget(1 << 26, device="cpu:0")
+    train("gpt", probe, steps=1)
+    budget = coop_arena.Budget(int(0.5 * probe.stats.peak_bytes), device="cpu:0")
+    seen = []
+    model = train("gpt", budget, check=lambda b: seen.append(b.stats))
+    assert all(s.evictions > 0 and s.rematerializations > 0 for s in seen), seen
+    assert bitwise_equal(state(train("gpt")), state(model))
+
+
+# --------------------------------------------------------------------------------------------------- moves
+def _memmove(buf: torch.Tensor, src: int, dst: int, n: int) -> torch.Tensor:
+    ref = buf.clone().numpy()
+    ref[dst:dst + n] = ref[src:src + n].copy()
+    return torch.from_numpy(ref)
+
+
+# (src, dst, nbytes): disjoint both ways, overlapping down and up, by one byte, nothing to do
+MOVES = [(0, 3000, 2000), (3000, 0, 2000), (1000, 512, 3001), (512, 1000, 3001), (7, 8, 4000), (40, 40, 100),
+         (5, 9, 0)]
+
+
+def _check_moves(arena: Arena) -> None:
+    arena.buffer.copy_(torch.randint(0, 256, (arena.nbytes,), dtype=torch.uint8,
+                                     generator=torch.Generator().manual_seed(0)))
+    for src, dst, n in MOVES:
+        expected = _memmove(arena.buffer, src, dst, n)
+        arena.move(src, dst, n)
+        assert torch.equal(arena.buffer, expected), (src, dst, n)
+
+
+@pytest.mark.parametrize("copy_kernel", [None, False])
+def test_move_on_cpu_is_a_memmove(copy_kernel):
+    _check_moves(Arena(8192, torch.device("cpu"), 8192, copy_kernel=copy_kernel))
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Calls of the Triton arena_move kernel launcher (the real one runs)."""
+    if not INTERPRET:
+        pytest.skip("the Triton kernel runs on CPU tensors only with TRITON_INTERPRET=1 set before triton is "
+                    "imported (`make test` sets it)")
+    from coop_arena.kernels import copy as kcopy
+    calls, real = [], kcopy.arena_move
+
+    def spy(buf, src, dst, nbytes):
+        calls.append((src, dst, nbytes))
+        real(buf, src, dst, nbytes)
+
+    monkeypatch.setattr(kcopy, "arena_move", spy)
+    return calls
+
+
+def test_move_with_the_kernel_forced_is_a_memmove(kernel_calls):
+    _check_moves(Arena(8192, torch.device("cpu"), 8192, copy_kernel=True))
+    assert kernel_calls == [m for m in MOVES if m[2] > 0 and m[0] != m[1]]
+
+
+def test_relocations_through_the_kernel_keep_training_exact(kernel_calls):
+    from test_relocation import _train
+    probe = coop_arena.Budget(1 << 26, device="cpu")
+    _train(probe, steps=1)
+    budget = coop_arena.Budget(int(0.5 * probe.stats.peak_bytes), device="cpu")
+    budget.arena = Arena(budget.arena.nbytes, budget.device, budget.memory.table.usable, copy_kernel=True)
+    params = _train(budget)
+    st = budget.stats
+    assert st.relocations > 0 and len(kernel_calls) >= st.relocations  # both steps moved; stats are the last's
+    assert bitwise_equal(_train(None), params)
+
+
+def test_kernel_forced_where_it_cannot_run(monkeypatch):
+    from coop_arena.kernels import _util
+    monkeypatch.setattr(_util, "INTERPRET", False)
+    with pytest.raises(ValueError, match="copy_kernel=True.*cannot run on cpu"):
+        Arena(1024, torch.device("cpu"), 1024, copy_kernel=True)
+
+
+def test_move_on_meta_does_nothing_and_ranges_are_checked():
+    meta = Arena(4096, torch.device("meta"), 4096)
+    meta.move(0, 1000, 2000)  # no data, no error
+    cpu = Arena(4096, torch.device("cpu"), 4096)
+    for src, dst, n in [(0, 3000, 2000), (-1, 0, 10), (0, 10, -1)]:
+        with pytest.raises(InternalError, match="arena move"):
+            cpu.move(src, dst, n)
+
+
+# ------------------------------------------------------------------------------------------------- streams
+class FakeStream:
+    """Stands in for torch.cuda.Stream: an id, and the waits asked of it."""
+
+    def __init__(self, sid: int):
+        self.cuda_stream, self.waited = sid, []
+
+    def wait_stream(self, other):
+        self.waited.append(other)
+
+
+@pytest.fixture
+def streams(monkeypatch):
+    """Two fake streams; `streams.current` is the one the arena sees as current."""
+    class Streams:
+        a, b = FakeStream(0xA), FakeStream(0xB)
+        current = a
+
+    s = Streams()
+    monkeypatch.setattr(arena_mod, "_current_stream", lambda device: s.current)
+    monkeypatch.setattr(arena_mod, "_stream_id", lambda device: s.current.cuda_stream)
+    return s
+
+
+def test_an_op_on_another_stream_is_refused_before_anything_changes(streams):
+    budget = coop_arena.Budget(1 << 20, device="cpu")
+    w = torch.randn(16, 16)
+    with budget:
+        y = w @ w
+        streams.current = streams.b
+        with pytest.raises(coop_arena.BudgetUsageError, match="stream 0xb.*stream 0xa"):
+            y.relu()
+        with pytest.raises(coop_arena.BudgetUsageError, match="coop_arena.pinned.*stream 0xb"):
+            with coop_arena.pinned(y):
+                pass
+        assert budget.stats.ops == 1 and budget.memory.used_bytes > 0
+        streams.current = streams.a
+        z = y.relu().sum()  # back on the block's stream: usable
+    assert budget.stats.ops == 3 and torch.equal(z, (w @ w).relu().sum())
+    assert streams.a.waited == [] and streams.b.waited == []
+
+
+def test_a_block_on_a_new_stream_waits_for_the_previous_one(streams):
+    budget = coop_arena.Budget(1 << 20, device="cpu")
+    w = torch.randn(16, 16)
+    with budget:
+        y = (w @ w).sum()
+    streams.current = streams.b
+    with budget:  # the previous block's copies ran on a: b waits for them, then the block runs on b
+        z = (w @ w).sum()
+    assert streams.b.waited == [streams.a] and torch.equal(y, z)
+    with budget:  # same stream again: no wait
+        (w @ w).sum()
+    assert streams.b.waited == [streams.a]
+
+
+
+# ------------------------------------------------------------------------------------- the prepared GPU check
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the parts run (make gpu-check)")
+def test_gpu_check_without_a_gpu_skips_each_part_with_its_reason(tmp_path):
+    assert _gpu_check().main(["--parts", "kernels,gpt2,resnet50", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert {p: r["status"] for p, r in report["parts"].items()} == dict.fromkeys(["kernels", "gpt2", "resnet50"],
+                                                                                "skipped")
+    assert all("no CUDA device" in r["reason"] for r in report["parts"].values())
+    assert [t["verdict"] for t in report["targets"]] == ["n/a"] * 3
+    assert "no CUDA device" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_gpu_check_measures_tiny_models_on_the_cpu(tmp_path):
+    """The model parts end to end (child processes, records, summary) with tiny models on the CPU."""
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--smoke", "--parts",
+                           "gpt2,resnet50", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    for part in ("gpt2", "resnet50"):
+        result = report["parts"][part]
+        assert result["status"] == "ok", result
+        kinds = [r["kind"] for r in result["records"]]
+        assert kinds[:3] == ["model", "plain", "engine_peak"] and kinds[3:] == ["run"] * 9
+        plain, engine = result["records"][1], result["records"][2]
+        assert plain["reproducible"] and engine["evictions"] == 0 and engine["peak_bytes"] > 0
+        runs = result["records"][3:]
+        ok = [r for r in runs if r["status"] == "ok"]
+        assert all(r["status"] in ("ok", "error") for r in runs) and ok
+        assert all(r["bitwise_equal"] and len(r["steps"]) == 3 for r in ok), "a Budget run differs from plain PyTorch"
+        assert any(r["steps"][-1]["stats"]["rematerializations"] > 0 for r in ok)
+        assert all("OutOfBudget" in r["error"] or "Thrashing" in r["error"] for r in runs if r["status"] == "error")
+    verdicts = [t["verdict"] for t in report["targets"]]
+    assert verdicts[:2] != ["n/a", "n/a"] and verdicts[2] == "n/a"  # no device memory counters on the CPU
+    text = (tmp_path / "gpu_check.md").read_text()
+    assert "## gpt2" in text and "## resnet50" in text and "| coop | 0.5 |" in text
