@@ -327,7 +327,7 @@ def chain_of(p: Program) -> Chain:
             else:
                 groups.append([e])
         firsts = [start[i]] + [g[0] for g in groups[1:]] + [end]
-        u = []
+        u, keep_prev = [], 0
         for t, g in enumerate(groups):
             span = range(firsts[t], firsts[t + 1])
             need = int(max(live[e] + (size[i] if e <= g[-1] else 0) for e in span))

@@ -149,7 +149,7 @@ class Dispatch:
             return self._run_view(call)
         if plan is not None and (plan.out_op is not None or call.op.uninitialized):
             return self._run_direct(call, owner, plan)
-        if self.runtime.mode is not None and placement.decomposes(call.func, call.op, self.device.type):
+        if plan is not None and plan.decomposes and self.runtime.mode is not None:
             return self._run_decomposed(call)
         self._bind(call, owner)
         return self._run_temporary(call, plan)
@@ -451,10 +451,8 @@ class Dispatch:
 
     # ------------------------------------------------------------------------------------ external writes
     def _freeze_readers_of_external(self, t: torch.Tensor) -> None:
-        for ref in self._ext_readers.pop(t.untyped_storage()._cdata, ()):
-            d = ref()
-            if d is not None:
-                self.remat.freeze(d)
+        """See Rule 5: before (or, for a write the schema hides, right after) a write into `t` outside the arena."""
+        self.runtime.settle([t])
 
     def _note_external_reads(self, recorded: list, storages) -> None:
         if not storages:

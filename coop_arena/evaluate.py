@@ -31,7 +31,7 @@ import multiprocessing
 import platform
 import queue
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch

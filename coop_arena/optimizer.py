@@ -33,10 +33,6 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from . import ops
-from .errors import OutOfBudget, TensorLost, Thrashing
-from .lifetime import _readers
-from .recipe import plain_dispatch
-from .storage import State
 from .tensor import Tensor
 
 
@@ -81,7 +77,7 @@ class Steps:
     def _before(self, optimizer, args, kwargs):
         if threading.get_ident() != self.thread:
             return None
-        settle(self.runtime, _touched(optimizer))
+        self.runtime.settle(_touched(optimizer))
         self.frames.append(sys._getframe(1))  # the frame of torch.optim's step wrapper, alive while the step runs
         if len(args) > 1 and callable(args[1]):
             return (args[0], self._resumed(args[1], optimizer), *args[2:]), kwargs
@@ -106,7 +102,7 @@ class Steps:
                 loss = closure(*a, **k)
             finally:
                 self.frames.pop()
-            settle(self.runtime, _touched(optimizer))
+            self.runtime.settle(_touched(optimizer))
             return loss
         return under_budget
 
@@ -131,47 +127,3 @@ def _touched(optimizer) -> list:
     for st in optimizer.state.values():
         out.extend(v for v in st.values() if isinstance(v, torch.Tensor))
     return [t for t in out if not isinstance(t, Tensor) and t.layout == torch.strided]
-
-
-def settle(runtime, tensors) -> None:
-    """Make the block independent of the current values of `tensors` (outside the arena), which are about to be
-    overwritten (Rule 5, Note [Optimizer steps])."""
-    readers = runtime.dispatch._ext_readers
-    work = []
-    for t in tensors:
-        work.extend(r() for r in readers.pop(t.untyped_storage()._cdata, ()))
-    if not work:
-        return
-    with plain_dispatch():
-        lifetime = runtime.lifetime
-        lifetime.drain()
-        tainted: dict = {}  # storages whose replay would read an old value, directly or through others
-        while work:
-            s = work.pop()
-            if s is None or s.sid in tainted or s.state is State.FREED or s.payload.recipe is None:
-                continue
-            tainted[s.sid] = s
-            work.extend(_readers(s))
-        keep = sorted((s for s in tainted.values() if s.payload.wrappers), key=lambda s: s.sid)
-        remat = runtime.remat
-        try:  # all at once: a restore of one must not read another already made unevictable
-            held = remat.acquire(keep)
-        except (OutOfBudget, Thrashing, TensorLost) as e:  # as at the end of a block: what cannot come back is lost
-            held = []
-            for s in keep:
-                if s.state is not State.RESIDENT:
-                    s.payload.lost = (f"storage {s.sid} was evicted and could not be restored before an optimizer "
-                                      f"step overwrote what it was computed from: {e}")
-                    s.payload.recipe, s.payload.mutations = None, []
-        try:
-            for s in keep:
-                if s.state is State.RESIDENT:
-                    remat.make_unevictable(s)
-                    runtime.counters.frozen += 1
-        finally:
-            remat.release(held)
-        for s in tainted.values():
-            if (s.state is not State.FREED and not s.payload.wrappers and not s.pins and s.payload.recipe is not None
-                    and not _readers(s)):
-                lifetime.live.pop(s.sid, None)
-                lifetime.forget(s)

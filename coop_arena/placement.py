@@ -54,6 +54,7 @@ class OutSpec:
 class OpPlan:
     outputs: tuple        # OutSpec per output of the functional op (None where it is not a tensor)
     aliases: bool         # some output aliases an input: the op is a view
+    decomposes: bool      # runs as the ops its composite kernel calls (`decomposes`)
     out_op: object        # the out= variant that writes into arena views, or None (temporary path)
     out_names: tuple      # its written keyword arguments, one per output
     cost: float           # the op's analytic cost (cost.py)
@@ -123,9 +124,15 @@ def contiguous_strides(size) -> tuple:
     return tuple(reversed(strides))
 
 
+_META = torch.device("meta")
+
+
 def _meta(x):
+    """The argument of the meta run: tensors and devices (factory ops) moved to `meta`, nothing allocated."""
     if isinstance(x, torch.Tensor):
         return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device="meta")
+    if isinstance(x, torch.device):
+        return _META
     return x
 
 
@@ -160,7 +167,9 @@ def _make_plan(func, op, leaves, spec, device_type) -> OpPlan | None:
             mouts = {n: torch.empty_strided(s.size, s.stride, dtype=s.dtype, device="meta") for n, s in zip(names, specs)}
             if writes_in_place(candidate, device_type, margs, {**mkwargs, **mouts}):
                 out_op = candidate
-    return OpPlan(tuple(specs), aliases, out_op, names if out_op is not None else (), cost)
+    parts = (out_op is None and not aliases and not op.uninitialized and decomposes(func, op, device_type)
+             and _parts_make_outputs(func, device_type, margs, mkwargs))
+    return OpPlan(tuple(specs), aliases, parts, out_op, names if out_op is not None else (), cost)
 
 
 def decomposes(func, op, device_type: str) -> bool:
@@ -210,6 +219,35 @@ def out_variant(func):
                 break
     _OUT_VARIANTS[func] = found
     return found
+
+
+class _Made(TorchDispatchMode):
+    """Records the tensors the ops called under it return."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: dict = {}  # id -> shape it was made with
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for o in (out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(o, torch.Tensor) and id(o) not in self.made:
+                self.made[id(o)] = tuple(o.shape)
+        return out
+
+
+def _parts_make_outputs(func, device_type: str, margs, mkwargs) -> bool:
+    """True when every tensor a composite kernel returns is made, at its final shape, by an op it calls through
+    the dispatcher (so the Budget places it), checked on meta. arange's kernel makes an empty tensor and resizes
+    it: not so."""
+    probe = _Made()
+    try:
+        with torch.utils._python_dispatch._disable_current_modes(), probe:
+            out = func.redispatch(backend_keyset(device_type), *margs, **mkwargs)
+    except Exception:
+        return False
+    outs = out if isinstance(out, (tuple, list)) else [out]
+    return all(probe.made.get(id(o)) == tuple(o.shape) for o in outs if isinstance(o, torch.Tensor))
 
 
 class _Probe(TorchDispatchMode):

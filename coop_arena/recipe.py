@@ -72,10 +72,12 @@ class Data:
     wrappers: int = 0           # live coop_arena.Tensor objects on this storage; Lifetime
     detached: torch.Tensor | None = None  # after the block: a plain copy of the bytes; Lifetime
     lost: str | None = None     # why the bytes are gone (a failed or interrupted block); Lifetime
+    base_version: int = 0       # writes dropped with the recipe when it became unevictable; Remat.make_unevictable
 
     @property
     def version(self) -> int:
-        return len(self.mutations)
+        """Writes since the producer: what recipes that read this storage record (ArgRef.version)."""
+        return self.base_version + len(self.mutations)
 
     def recipes(self) -> list:
         """What a restore replays, in order: the producer (unless it is uninitialized memory), then the writes."""

@@ -106,6 +106,8 @@ class Remat:
             if t.sid in seen:
                 continue
             seen[t.sid] = 1
+            if t.payload.lost is not None:
+                raise TensorLost(t.payload.lost)
             root = _Node(t, None)
             stack = [(root, iter(root.reads()))]
             while stack:
@@ -119,6 +121,8 @@ class Remat:
                         mark = seen.get(key)
                         _internal_assert(mark != 1, f"storage {b.sid} is its own ancestor")
                         if mark is None:
+                            if b.payload.lost is not None:
+                                raise TensorLost(b.payload.lost)
                             seen[key] = 1
                             child = _Node(b, version)
                             stack.append((child, iter(child.reads())))
@@ -134,9 +138,6 @@ class Remat:
     def _rebuild(self, evicted, targets: set, pins: list, op) -> None:
         memory = self.memory
         order, uses, boundary = self._plan(evicted)
-        for node in order:
-            if node.s.payload.lost is not None:
-                raise TensorLost(node.s.payload.lost)
         held: dict = {}      # node key -> storage pinned here for the plan (not targets)
         shadows: dict = {}   # (sid, version) -> the scratch storage holding that old version
         try:
@@ -326,8 +327,10 @@ class Remat:
         self.counters.frozen += 1
 
     def make_unevictable(self, s: Storage) -> None:
-        s.payload.recipe = None
-        s.payload.mutations = []
+        d = s.payload
+        d.base_version = d.version  # readers recorded the version it has: it stays
+        d.recipe = None
+        d.mutations = []
         if s.evictable:
             self.memory.make_unevictable(s)
             self.counters.count_unevictable(self.memory.table.round_up(s.nbytes), +1)

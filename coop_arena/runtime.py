@@ -19,10 +19,11 @@ import torch
 
 from .arena import Arena
 from .dispatch import Dispatch
-from .errors import _internal_assert
-from .lifetime import Lifetime
+from .errors import OutOfBudget, TensorLost, Thrashing, _internal_assert
+from .lifetime import Lifetime, _readers
 from .memory import Memory
 from .remat import Remat
+from .recipe import plain_dispatch
 from .storage import State
 from .telemetry import RuntimeCounters
 
@@ -62,6 +63,53 @@ class Runtime:
         """Copy a storage's bytes between two arena ranges that do not overlap (copy-on-write, Note
         [Relocation] in memory.py)."""
         self.arena.move(src, dst, nbytes)
+
+    def settle(self, tensors) -> None:
+        """Make the block independent of the current values of `tensors` (outside the arena), which are about to be
+        overwritten (Rule 5): of the storages computed from them (directly or through others), those a wrapper
+        still uses are restored if evicted and made unevictable (lost, TensorLost on use, if they cannot all come
+        back at once), and those nobody can reach any more are freed. Used before an optimizer step (optimizer.py)
+        and before any other write into a tensor from outside the arena."""
+        readers = self.dispatch._ext_readers
+        work = []
+        for t in tensors:
+            work.extend(r() for r in readers.pop(t.untyped_storage()._cdata, ()))
+        if not work:
+            return
+        with plain_dispatch():
+            lifetime = self.lifetime
+            lifetime.drain()
+            tainted: dict = {}  # storages whose replay would read an old value, directly or through others
+            while work:
+                s = work.pop()
+                if s is None or s.sid in tainted or s.state is State.FREED or s.payload.recipe is None:
+                    continue
+                tainted[s.sid] = s
+                work.extend(_readers(s))
+            keep = sorted((s for s in tainted.values() if s.payload.wrappers), key=lambda s: s.sid)
+            remat = self.remat
+            try:  # all at once: a restore of one must not read another already made unevictable
+                held = remat.acquire(keep)
+            except (OutOfBudget, Thrashing, TensorLost) as e:  # as at the end of a block: what cannot come back is lost
+                held = []
+                for s in keep:
+                    if s.state is not State.RESIDENT:
+                        s.payload.lost = (f"storage {s.sid} was evicted and could not be restored before a write to a "
+                                          f"tensor outside the arena overwrote what it was computed from: {e}")
+                        s.payload.base_version = s.payload.version
+                        s.payload.recipe, s.payload.mutations = None, []
+            try:
+                for s in keep:
+                    if s.state is State.RESIDENT:
+                        remat.make_unevictable(s)
+                        self.counters.frozen += 1
+            finally:
+                remat.release(held)
+            for s in tainted.values():
+                if (s.state is not State.FREED and not s.payload.wrappers and not s.pins and s.payload.recipe is not None
+                        and not _readers(s)):
+                    lifetime.live.pop(s.sid, None)
+                    lifetime.forget(s)
 
     def finish(self, failed: bool = False) -> None:
         self.lifetime.finish(self.remat, failed)

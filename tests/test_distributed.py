@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import coop_arena
 from coop_arena.examples import CNN, GPT, batch, loss_fn
-from training import bitwise_equal, state
+from training import bitwise_equal
 
 WORLD = 2
 TIMEOUT_S = 300  # both ranks, every scenario: about a minute on 2 shared cores

@@ -1,5 +1,6 @@
 """`coop-arena evaluate`, the model suite and the thrashing limit, end to end on small models."""
 
+import io
 import json
 
 import matplotlib.image
@@ -15,7 +16,7 @@ from coop_arena.plan import load, plan, step
 
 from training import bitwise_equal, state, train
 
-QUIET = Console(file=open("/dev/null", "w"))
+QUIET = Console(file=io.StringIO())
 
 
 def broken(batch):

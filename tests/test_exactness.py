@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 
 import coop_arena
 from training import bitwise_equal, state, train

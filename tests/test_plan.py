@@ -1,5 +1,6 @@
 """`coop-arena plan`: a dry run that reports whether a step fits, per policy."""
 
+import io
 import pytest
 from rich.console import Console
 
@@ -21,7 +22,7 @@ def test_parse_budget_rejects(text):
 
 
 def test_plan_fits_with_eviction_and_reports_bounds():
-    r = plan("mlp", 64, "0.5", Console(file=open("/dev/null", "w")))
+    r = plan("mlp", 64, "0.5", Console(file=io.StringIO()))
     assert 0 < r["lower_bound"] <= r["budget"] < r["plain_peak"]
     for policy, row in r["policies"].items():
         assert row["fits"], policy
@@ -30,7 +31,7 @@ def test_plan_fits_with_eviction_and_reports_bounds():
 
 
 def test_plan_reports_a_step_that_cannot_fit():
-    r = plan("cnn", 8, "64KiB", Console(file=open("/dev/null", "w")))
+    r = plan("cnn", 8, "64KiB", Console(file=io.StringIO()))
     assert r["budget"] < r["lower_bound"]
     assert all(not row["fits"] and "Raise the budget" in row["error"] for row in r["policies"].values())
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import coop_arena
-from coop_arena import Memory, OutOfBudget
+from coop_arena import OutOfBudget
 from coop_arena.plan import step
 from coop_arena.storage import State
 

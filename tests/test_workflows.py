@@ -185,7 +185,7 @@ def test_tensors_held_across_a_step_keep_the_values_of_the_old_parameters(fracti
         if h._cell.storage.payload.lost is None:
             assert torch.equal(h.as_plain(), p.detach())
         else:
-            with pytest.raises(coop_arena.TensorLost, match="before an optimizer step overwrote"):
+            with pytest.raises(coop_arena.TensorLost, match="before a write to a tensor outside the arena overwrote"):
                 h.as_plain()
 
 
@@ -430,3 +430,29 @@ def test_an_arena_the_device_cannot_allocate_is_a_typed_error():
 def test_an_arena_the_gpu_cannot_allocate_is_a_typed_error():
     with pytest.raises(coop_arena.ArenaAllocationError, match="could not allocate the arena"):
         coop_arena.Budget(1 << 50, device="cuda")
+
+
+def test_a_parameter_updated_in_place_inside_the_block_keeps_training_exact():
+    """A hand-written SGD update inside the block writes every parameter (Rule 5): what was computed from the old
+    values is settled first, and the next step under the same block is still bitwise equal to plain PyTorch."""
+    from coop_arena.examples import batch, loss_fn
+    from training import build
+
+    def run(budget):
+        model = build("mlp")
+        for i in range(2):
+            x, y = batch("mlp", i)
+            with budget if budget is not None else contextlib.nullcontext():
+                loss_fn("mlp", model(x), y).backward()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(p.grad, alpha=-0.1)
+                        p.grad = None
+        return [p.detach().clone() for p in model.parameters()]
+
+    reference = run(None)
+    probe = coop_arena.Budget(1 << 26, device="cpu")
+    run(probe)
+    budget = coop_arena.Budget(probe.stats.peak_bytes // 2, device="cpu")
+    assert bitwise_equal(reference, run(budget))
+    assert budget.stats.evictions > 0
