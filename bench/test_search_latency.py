@@ -9,6 +9,13 @@ victims (asserted below, with the plan's purity).
 
 What is timed is `memory.plan(request)`: reading the block columns (`Memory._columns`) plus the policy's search,
 i.e. the search latency of one allocation that needs eviction. `apply` (the eviction itself) is not timed.
+coop runs twice, with the compiled window search (`path=compiled`, numba) and with the numpy one
+(`path=numpy`); the two must return the same plan.
+
+`test_search_latency_after_a_mutation` times the same search when the block table changed since its columns
+were last read (as in a real step, where blocks are placed and released between two evictions): before each
+round, untimed, one block is released and placed again at the same offset, so the table is the same but its
+address-ordered columns must be brought up to date (Note [Block table]).
 
 Run: `.venv/bin/python -m pytest bench/test_search_latency.py --benchmark-only
       --benchmark-json=bench/results/search_latency.json`; results and targets in bench/results/search_latency.md.
@@ -22,6 +29,7 @@ import numpy as np
 import pytest
 
 from coop_arena import Memory
+from coop_arena import policy as _policy
 
 U = 512
 COUNTS = (1_000, 10_000)
@@ -72,16 +80,56 @@ def prepared(policy: str, count: int) -> tuple[Memory, int]:
     return m, request
 
 
-@pytest.mark.parametrize("count", COUNTS)
-@pytest.mark.parametrize("policy", POLICIES)
-def test_search_latency(benchmark, policy, count):
+PATHS = [("coop", "compiled"), ("coop", "numpy"), ("dtr", "-"), ("dte", "-")]
+
+
+@pytest.fixture
+def search_path(request):
+    """Selects the coop window search for one benchmark: "compiled" (skipped without numba) or "numpy"."""
+    path = request.param
+    compiled = _policy.compiled_window()
+    if path == "compiled" and compiled is None:
+        pytest.skip("numba is not installed")
+    _policy._COMPILED[:] = [None] if path == "numpy" else [compiled]
+    yield path
+    _policy._COMPILED[:] = [compiled]
+
+
+def _checked(policy, count):
     m, request = prepared(policy, count)
     assert not m.fits(request), "the request must need eviction"
-    snap = m.snapshot()
     plan = m.plan(request)
     assert plan is not None and len(plan.victims) >= MIN_VICTIMS, f"{policy}: {plan}"
+    return m, request, plan
+
+
+@pytest.mark.parametrize("count", COUNTS)
+@pytest.mark.parametrize("policy,search_path", PATHS, indirect=["search_path"])
+def test_search_latency(benchmark, policy, search_path, count):
+    m, request, plan = _checked(policy, count)
+    snap = m.snapshot()
     benchmark.extra_info.update(victims=len(plan.victims), request_bytes=request, blocks=len(m.table),
                                 resident=count)
     got = benchmark(m.plan, request)
     assert got == plan                                   # the search is pure: same plan, nothing changed
+    assert m.snapshot() == snap
+
+
+@pytest.mark.parametrize("count", COUNTS)
+@pytest.mark.parametrize("policy,search_path", PATHS, indirect=["search_path"])
+def test_search_latency_after_a_mutation(benchmark, policy, search_path, count):
+    m, request, plan = _checked(policy, count)
+    snap = m.snapshot()
+    table = m.table
+    b = snap[len(snap) // 2 + next(i for i, b in enumerate(snap[len(snap) // 2 :]) if b["sid"] is not None)]
+    owner = int(table.owners[table.index_of(b["offset"])])
+
+    def mutate():
+        table.release(b["offset"])
+        table.place_at(b["offset"], b["size"], owner)
+
+    benchmark.extra_info.update(victims=len(plan.victims), blocks=len(table), resident=count)
+    got = benchmark.pedantic(m.plan, args=(request,), setup=mutate, rounds=400 if policy == "coop" else 20,
+                             warmup_rounds=1)
+    assert got == plan
     assert m.snapshot() == snap

@@ -94,6 +94,7 @@ class Memory:
         self._fixed: dict[int, int] = {}        # sid -> holds of storages that must keep their address
         self._stale: dict[int, Storage] = {}    # resident storages whose c column is out of date (Note [Recompute
                                                 # cost] in storage.py); refreshed before every plan
+        self._walked: set[int] = set()          # evicted storages walked through since the last plan
         self.clock = 0.0
         self.stats = MemoryStats(budget=self.table.usable)
         self.trace = Trace(self.trace_len)
@@ -268,9 +269,10 @@ class Memory:
                 if s.state is State.RESIDENT:
                     self._c[s.slot + 1] = recompute_cost(s)
             self._stale.clear()
+        self._walked.clear()
 
     def _mark_dependents(self, s: Storage) -> None:
-        for d in dependents(s):
+        for d in dependents(s, self._walked):
             self._stale[d.sid] = d
 
     def _plan(self, need: int) -> _policy.EvictionPlan | None:
@@ -313,6 +315,7 @@ class Memory:
             s.pins += 1
         self._kind[slot + 1] = BLOCKED if (s.pins or not s.evictable) else EVICTABLE
         self._c[slot + 1] = recompute_cost(s)
+        self._stale[s.sid] = s  # later changes before the next plan may not walk to it (storage.dependents)
         self._last[slot + 1] = s.last_access = self.clock
         self.stats.peak_bytes = max(self.stats.peak_bytes, table.used_bytes)
 
@@ -423,8 +426,7 @@ class Memory:
             self._evict(v)
         if moves:
             self._relocate(moves)
-        i = int(np.searchsorted(table.offsets, plan.start, side="right")) - 1
-        o, size, owner = table.block(i)
+        o, size, owner = table.block_at(plan.start)
         _internal_assert(owner == _FREE_OWNER and o + size >= plan.end and size >= need,
                          f"after applying {plan}, block {o}+{size} (owner {owner}) does not cover the range")
         return o

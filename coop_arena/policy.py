@@ -8,7 +8,8 @@ the only place a plan takes effect.
 - coop: the sliding window. Among all runs of consecutive blocks with no BLOCKED block whose bytes cover the
   request, take the one with the least total c/s (free blocks count zero). For each right end the best left end
   is the shortest covering one (costs are >= 0), found for all right ends at once with prefix sums and one
-  merge of two sorted arrays (Note [Coop window search]): a handful of vectorized passes.
+  merge of two sorted arrays (Note [Coop window search]): a handful of vectorized passes, or one compiled
+  pass where numba is installed.
 - dtr: evict the evictable storage with the least c/(m*s), anywhere, one at a time, until the free run that the
   last victim joined covers the request (address-oblivious: earlier victims elsewhere stay evicted).
 - dte: dtr with m counting the free bytes adjacent on both sides of the storage as well (MegEngine's variant).
@@ -18,6 +19,8 @@ Ties break towards lower addresses, so plans are deterministic (Rule 8).
 
 from __future__ import annotations
 
+import heapq
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,11 +63,23 @@ def plan_coop(offsets, sizes, kind, c, last, clock: float, need: int) -> Evictio
 #     after the offsets <= it; its position minus the targets before it, minus one, is left[r].
 #   - A window is valid when no BLOCKED block lies in [left[r], r], i.e. left[r] > the last BLOCKED index <= r
 #     (a running maximum over the few BLOCKED indices).
+#   - Where numba is installed the same computation runs as one compiled pass (Note [Compiled window search]
+#     in compiled.py); `coop_window` takes it, `coop_window_numpy` is the fallback, and both give the same plans.
 # Decisions are those of the plain formulation (same c/s values, same prefix sums and subtraction, first minimum
 # on ties); tests/test_memory_properties.py compares the two bit for bit.
 def coop_window(offsets, sizes, kind, h, need: int) -> EvictionPlan | None:
     """The coop plan from c/s per block `h`, which must be 0 at FREE blocks (it is zeroed at BLOCKED ones here,
-    in place). ndarray methods rather than np.* wrappers: at 1,000 blocks the dispatch is a visible cost."""
+    in place): the compiled search where numba is installed, else the numpy one."""
+    window = compiled_window()
+    if window is None:
+        return coop_window_numpy(offsets, sizes, kind, h, need)
+    lo, r, cost = window(offsets, sizes, kind, h, need)
+    return None if r < 0 else _window_plan(offsets, sizes, kind, lo, r, cost)
+
+
+def coop_window_numpy(offsets, sizes, kind, h, need: int) -> EvictionPlan | None:
+    """`coop_window` as vectorized numpy passes. ndarray methods rather than np.* wrappers: at 1,000 blocks the
+    dispatch is a visible cost."""
     n = len(sizes)
     ends = offsets + sizes
     r0 = int(ends.searchsorted(need))                   # the first right end that can cover
@@ -89,62 +104,135 @@ def coop_window(offsets, sizes, kind, h, need: int) -> EvictionPlan | None:
     j = int(cost.argmin())
     if cost[j] == np.inf:
         return None
-    r, lo = j + r0, int(left[j])
+    return _window_plan(offsets, sizes, kind, int(left[j]), j + r0, cost[j])
+
+
+def _window_plan(offsets, sizes, kind, lo: int, r: int, cost) -> EvictionPlan:
     victims = tuple(i for i, k in enumerate(kind[lo : r + 1].tolist(), lo) if k == EVICTABLE)
-    return EvictionPlan(victims, int(offsets[lo]), int(ends[r]), float(cost[j]), "coop")
+    return EvictionPlan(victims, int(offsets[lo]), int(offsets[r] + sizes[r]), float(cost), "coop")
 
 
-def _run(freeish: np.ndarray, i: int) -> tuple[int, int]:
-    lo = hi = i
-    n = len(freeish)
-    while lo > 0 and freeish[lo - 1]:
-        lo -= 1
-    while hi + 1 < n and freeish[hi + 1]:
-        hi += 1
-    return lo, hi
+_COMPILED = []  # [the compiled window search, or None where numba is missing], filled on first use
+
+
+def compiled_window():
+    """The compiled window search (compiled.window), or None where numba is not installed. Imported on the first
+    search, not with the package: importing numba takes a noticeable fraction of a second."""
+    if not _COMPILED:
+        try:
+            from .compiled import window
+        except ImportError:  # numba is not installed
+            window = None
+        except Exception as e:  # numba is there but cannot serve (for example no writable cache directory)
+            logging.getLogger(__name__).warning("coop window search: numba unusable (%s), using numpy", e)
+            window = None
+        _COMPILED.append(window)
+    return _COMPILED[0]
+
+
+class _Runs:
+    """Maximal runs of free blocks as blocks join them (DTR's victims): O(1) per join. A run is stored at its
+    two ends only; a block never joins next to a run's interior, so ends are all that is ever asked."""
+
+    __slots__ = ("sizes", "free", "joined", "end_of", "start_of", "bytes_at")
+
+    def __init__(self, sizes, kind):
+        self.sizes = sizes
+        self.free = kind == FREE          # free from the start (single-block runs until something joins)
+        self.joined: set[int] = set()
+        self.end_of: dict[int, int] = {}   # run start -> run end, for runs that grew
+        self.start_of: dict[int, int] = {}  # run end -> run start
+        self.bytes_at: dict[int, int] = {}  # run start -> its bytes
+
+    def freeish(self, i: int) -> bool:
+        return i in self.joined or self.free.item(i)
+
+    def ending_at(self, e: int) -> tuple[int, int]:
+        """(start, bytes) of the run ending at block e."""
+        s = self.start_of.get(e, e)
+        return s, self.bytes_at.get(s) or self.sizes.item(s)
+
+    def starting_at(self, s: int) -> tuple[int, int]:
+        """(end, bytes) of the run starting at block s."""
+        return self.end_of.get(s, s), self.bytes_at.get(s) or self.sizes.item(s)
+
+    def join(self, i: int) -> tuple[int, int, int]:
+        """Block i becomes free: (start, end, bytes) of the run it is now part of."""
+        lo = hi = i
+        total = self.sizes.item(i)
+        if i > 0 and self.freeish(i - 1):
+            lo, b = self.ending_at(i - 1)
+            total += b
+        if i + 1 < len(self.sizes) and self.freeish(i + 1):
+            hi, b = self.starting_at(i + 1)
+            total += b
+        self.joined.add(i)
+        self.end_of[lo], self.start_of[hi], self.bytes_at[lo] = hi, lo, total
+        return lo, hi, total
+
+    def beside(self, i: int) -> int:
+        """Bytes of the free runs just below and just above block i (not free itself)."""
+        side = 0
+        if i > 0 and self.freeish(i - 1):
+            side += self.ending_at(i - 1)[1]
+        if i + 1 < len(self.sizes) and self.freeish(i + 1):
+            side += self.starting_at(i + 1)[1]
+        return side
 
 
 def plan_dtr(offsets, sizes, kind, c, last, clock: float, need: int, *, adjacent_free: bool = False) -> EvictionPlan | None:
+    """Note [DTR loop]: each step takes the evictable storage with the least score (first in address order on
+    ties, as np.argmin would) until the run of free blocks the last victim joined covers the request. Scores
+    are sorted once; dte's updated scores (the storages bordering a grown run) go to a heap, and each step takes
+    the smaller of the two heads, skipping entries that are chosen or out of date."""
     ev = np.nonzero(kind == EVICTABLE)[0]
     if ev.size == 0:
         return None
     n = len(sizes)
-    freeish = kind == FREE
     stale = clock - last[ev] + 1.0
     m = sizes[ev].astype(np.float64)
     if adjacent_free:
+        freeish = kind == FREE
         left_free = np.where((ev > 0) & freeish[np.maximum(ev - 1, 0)], sizes[np.maximum(ev - 1, 0)], 0)
         right_free = np.where((ev + 1 < n) & freeish[np.minimum(ev + 1, n - 1)], sizes[np.minimum(ev + 1, n - 1)], 0)
         m = m + left_free + right_free
-    score = c[ev] / (m * stale)
-    pos = {int(b): j for j, b in enumerate(ev)}
-    chosen, total = [], 0.0
+        pos = np.full(n, -1, np.int64)  # block index -> index in ev
+        pos[ev] = np.arange(ev.size)
+    score_np = c[ev] / (m * stale)
+    score = score_np.tolist()
+    ranked = score_np.argsort(kind="stable").tolist()  # (score, index) order: np.argmin's choice, step by step
+    blocks = ev.tolist()
+    chosen = [False] * len(blocks)
+    updated = [False] * len(blocks)  # its score in `ranked` is out of date; the heap has the current one
+    heap: list[tuple[float, int]] = []
+    runs = _Runs(sizes, kind)
+    picked, total, at = [], 0.0, 0
     while True:
-        j = int(np.argmin(score))
-        if not np.isfinite(score[j]):
+        while at < len(ranked) and (chosen[ranked[at]] or updated[ranked[at]]):
+            at += 1
+        while heap and (chosen[heap[0][1]] or heap[0][0] != score[heap[0][1]]):
+            heapq.heappop(heap)
+        if heap and (at == len(ranked) or heap[0] < (score[ranked[at]], ranked[at])):
+            j = heapq.heappop(heap)[1]
+        elif at < len(ranked):
+            j = ranked[at]
+        else:
             return None  # everything evictable is chosen and still nothing fits
-        i = int(ev[j])
-        total += float(score[j])
-        score[j] = np.inf
-        freeish[i] = True
-        chosen.append(i)
-        lo, hi = _run(freeish, i)
-        run_bytes = int(sizes[lo : hi + 1].sum())
+        i = blocks[j]
+        total += score[j]
+        chosen[j] = True
+        picked.append(i)
+        lo, hi, run_bytes = runs.join(i)
         if run_bytes >= need:
-            return EvictionPlan(tuple(sorted(chosen)), int(offsets[lo]), int(offsets[hi] + sizes[hi]), total,
+            return EvictionPlan(tuple(sorted(picked)), int(offsets[lo]), int(offsets[hi] + sizes[hi]), total,
                                 "dte" if adjacent_free else "dtr")
         if adjacent_free:
             for nb in (lo - 1, hi + 1):
-                k = pos.get(nb)
-                if k is not None and np.isfinite(score[k]):
-                    side = 0
-                    if nb > 0 and freeish[nb - 1]:
-                        x, y = _run(freeish, nb - 1)
-                        side += int(sizes[x : y + 1].sum())
-                    if nb + 1 < n and freeish[nb + 1]:
-                        x, y = _run(freeish, nb + 1)
-                        side += int(sizes[x : y + 1].sum())
-                    score[k] = c[nb] / ((sizes[nb] + side) * (clock - last[nb] + 1.0))
+                k = pos.item(nb) if 0 <= nb < n else -1
+                if k >= 0 and not chosen[k]:
+                    score[k] = c.item(nb) / ((sizes.item(nb) + runs.beside(nb)) * (clock - last.item(nb) + 1.0))
+                    updated[k] = True
+                    heapq.heappush(heap, (score[k], k))
 
 
 def plan(policy: str, offsets, sizes, kind, c, last, clock: float, need: int) -> EvictionPlan | None:

@@ -45,7 +45,7 @@ import warnings
 import torch
 
 from .errors import TensorLost, Thrashing, _internal_assert
-from .lifetime import backs_evicted_live
+from .lifetime import keeps_dead
 from .memory import Memory
 from .recipe import ArgRef, Recipe, replaying
 from .storage import State, Storage
@@ -169,7 +169,7 @@ class Remat:
                         if version is not None:
                             memory.free(shadows.pop(key))
                         elif (b.sid not in boundary and b.payload.wrappers == 0 and b.pins == 0 and b.evictable
-                                and not backs_evicted_live(b)):
+                                and not keeps_dead(b, memory)):
                             memory.evict(b)  # restored only as an ancestor: it goes (Rule 3)
         finally:
             for key, x in held.items():

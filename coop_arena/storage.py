@@ -14,8 +14,11 @@ Rationale: a policy must know what bringing a storage back would cost *now*: its
 Approach: `recompute_cost(s)` = the cost of `s` plus the cost of each distinct evicted storage reachable from it
   through evicted inputs (exactly the replays a restore plan of `s` would run, remat.py). A change of state of one
   storage changes the cost of the resident storages reachable from it forward through evicted readers
-  (`dependents`); Memory marks those and refreshes them before its next plan, so every cost a policy reads is
-  exact.
+  (`dependents`); Memory marks those stale and refreshes them before its next plan, so every cost a policy reads
+  is exact. Between two plans (an epoch) an evicted storage is walked through at most once: the residents beyond
+  it are stale already, storages that become resident are stale from then on, and a storage that gains inputs
+  is marked itself. (Walking a backward pass's chain of dead records at every death made the host time per op
+  quadratic.)
 Limitations: evicting a storage also makes its evicted readers costlier to restore; that is not charged to it
   (DTR's other direction). A walk stops after `WALK_LIMIT` storages (the cost is then a lower bound).
 """
@@ -82,17 +85,16 @@ def recompute_cost(s: Storage) -> float:
     return total
 
 
-def dependents(s: Storage) -> list:
+def dependents(s: Storage, walked: set) -> list:
     """The resident storages whose recompute cost counts `s` (or would, once `s` is evicted): reachable from `s`
-    forward through evicted readers."""
-    out, seen, work = [], {s.sid}, [s]
+    forward through evicted readers. Evicted storages already in `walked` are not walked again (Memory keeps it per
+    epoch between plans: what lies beyond them is marked already, Note [Recompute cost])."""
+    out, work = [], [s]
     while work:
         for r in work.pop().readers():
-            if r.sid in seen:
-                continue
-            seen.add(r.sid)
             if r.state is State.RESIDENT:
                 out.append(r)
-            elif len(seen) <= WALK_LIMIT:
+            elif r.sid not in walked:
+                walked.add(r.sid)
                 work.append(r)
     return out

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from coop_arena.blocks import FREE, BlockTable
 from coop_arena.errors import InternalError
@@ -255,3 +257,100 @@ def test_check_invariants_names_what_disagrees(corrupt, message):
     corrupt(t)
     with pytest.raises(InternalError, match=message):
         t.check_invariants()
+
+
+# ------------------------------------------------------------------------------------ random walks vs. a plain list
+class ListTable:
+    """The plainest table: a Python list of [offset, size, owner] in address order, split and merged in place.
+    The reference the linked table must match after every operation."""
+
+    def __init__(self, usable: int):
+        self.blocks = [[0, usable, FREE]]
+
+    def _index(self, offset):
+        return next(i for i, b in enumerate(self.blocks) if b[0] <= offset < b[0] + b[1])
+
+    def place_at(self, offset, need, owner):
+        i = self._index(offset)
+        o, s, _ = self.blocks[i]
+        parts = [[o, offset - o, FREE], [offset, need, owner], [offset + need, o + s - offset - need, FREE]]
+        self.blocks[i : i + 1] = [p for p in parts if p[1] > 0]
+
+    def release(self, offset):
+        i = self._index(offset)
+        self.blocks[i][2] = FREE
+        if i + 1 < len(self.blocks) and self.blocks[i + 1][2] == FREE:
+            self.blocks[i][1] += self.blocks.pop(i + 1)[1]
+        if i > 0 and self.blocks[i - 1][2] == FREE:
+            self.blocks[i - 1][1] += self.blocks.pop(i)[1]
+            i -= 1
+        return self.blocks[i][0]
+
+    def best_fit(self, need):
+        fits = [(s, o) for o, s, w in self.blocks if w == FREE and s >= need]
+        return min(fits)[1] if fits else None
+
+
+walk_steps = st.lists(st.tuples(st.sampled_from(["low", "high", "at", "release", "release", "read"]),
+                                st.integers(0, 1 << 20), st.integers(1, 6)), min_size=1, max_size=400)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None)
+@given(steps=walk_steps, units=st.integers(1, 300))
+def test_random_walk_matches_a_plain_list(steps, units):
+    """place / place_at / release in random order, with the address-ordered columns read at random points (the
+    cached order is then updated from whatever mix of born and dead ids piled up), compared after every step
+    with the plain list: columns, best fit, block_at, neighbours, free bytes, and check_invariants()."""
+    t, ref = BlockTable(units * K), ListTable(units * K)
+    next_owner = 1
+    for op, a, n in steps:
+        free = [b for b in ref.blocks if b[2] == FREE]
+        owned = [b for b in ref.blocks if b[2] != FREE]
+        if op in ("low", "high", "at") and free:
+            o, s, _ = free[a % len(free)]
+            need = min(n, s // K) * K
+            if op == "at":
+                at = o + (a // 7) % (s // K - need // K + 1) * K
+                assert t.place_at(at, need, next_owner) == at
+            else:
+                at = t.place(o, need - 100, next_owner, high=op == "high")
+                assert at == (o + s - need if op == "high" else o)
+            ref.place_at(at, need, next_owner)
+            next_owner += 1
+        elif op == "release" and owned:
+            o = owned[a % len(owned)][0]
+            assert t.release(o) == ref.release(o)
+        elif op == "read":
+            t.offsets  # noqa: B018 - a read of the columns brings the cached order up to date
+        else:
+            continue
+        if a % 5 == 0 or op == "read":
+            assert [[int(x) for x in b] for b in zip(t.offsets, t.sizes, t.owners)] == ref.blocks
+            t.check_invariants()
+        assert len(t) == len(ref.blocks)
+        for need in (K, 3 * K, 64 * K):
+            assert t.best_fit(need) == ref.best_fit(need)
+        probe = (a * 97) % t.usable
+        b = ref.blocks[ref._index(probe)]
+        assert t.block_at(probe) == tuple(b)
+        i = ref.blocks.index(b)
+        below = tuple(ref.blocks[i - 1]) if i > 0 else None
+        above = tuple(ref.blocks[i + 1]) if i + 1 < len(ref.blocks) else None
+        assert t.neighbours(b[0]) == (below, above)
+        assert t.free_bytes == sum(s for _, s, w in ref.blocks if w == FREE)
+        assert t.largest_free == max((s for _, s, w in ref.blocks if w == FREE), default=0)
+    assert [[int(x) for x in b] for b in zip(t.offsets, t.sizes, t.owners)] == ref.blocks
+    t.check_invariants()
+
+
+def test_ids_are_recycled_without_reads():
+    """A long run of place / release with no read of the columns (a step that never needs eviction) keeps the
+    id space bounded: dead ids are recycled once they fill half of it."""
+    t = BlockTable(64 * K)
+    live = []
+    for i in range(20_000):
+        live.append(t.place(t.best_fit(K), K, 1 + i, high=bool(i % 2)))
+        if len(live) >= 40 or i % 3:
+            t.release(live.pop((i * 7) % len(live)))
+    assert len(t._off) <= 4 * 64, f"{len(t._off)} ids for at most 64 blocks"
+    t.check_invariants()
