@@ -2,8 +2,7 @@
 
 For a change that must not change decisions (a faster table, search or cost model), this records on the code
 before the change and compares on the code after it: every memory trace event (with ids, offsets and clock),
-the memory stats of every block and `budget.stats` (search timings left out), every op cost as the runtime
-computed it, and the parameters after training. Workloads: the example models (mlp, cnn, gpt, lstm) trained 3
+the memory stats of every block and `budget.stats` (search timings left out), and the parameters after training. Workloads: the example models (mlp, cnn, gpt, lstm) trained 3
 steps on cpu (tests/training.py) at 40 % of their plain peak, and `coop-arena plan`-style dry runs on meta
 (batch 8) at 0.5 and 0.3 of the peak, under coop, dtr and dte. Dry runs stop at `max_overhead=30`, a
 deterministic point, where a ratio thrashes.
@@ -41,31 +40,25 @@ TIMING = ("search_seconds", "search_seconds_per_event", "search_seconds_max")
 
 
 class Recorder:
-    """Hooks Memory.reset (to keep each block's trace and stats) and the runtime's op_cost (every cost)."""
+    """Hooks Memory.reset to keep each block's trace and stats. (Op costs show in the trace's clock, which
+    advances by each op's and each replay's cost; the cost model itself runs once per op configuration.)"""
 
     def __init__(self):
         import coop_arena.memory as memory
-        import coop_arena.runtime as runtime
-        self.blocks, self.costs = [], []
-        reset, cost = memory.Memory.reset, runtime.op_cost
+        self.blocks = []
+        reset = memory.Memory.reset
 
         def keep_and_reset(m):
             if hasattr(m, "trace") and m.trace.events:
                 self.blocks.append((list(m.trace.events), _untimed(m.stats.as_dict())))
             reset(m)
 
-        def keep_cost(*args):
-            c = cost(*args)
-            self.costs.append(c)
-            return c
-
         memory.Memory.reset = keep_and_reset
-        runtime.op_cost = keep_cost
 
     def take(self):
         gc.collect()
-        out = (self.blocks, self.costs)
-        self.blocks, self.costs = [], []
+        out = (self.blocks, [])
+        self.blocks = []
         return out
 
 

@@ -87,7 +87,7 @@ class Dispatch:
                            for v in (value if isinstance(value, (list, tuple)) else [value]) if v is not None]
                 return run_outside(self, func, args, kwargs, written)
             call.inputs = [mine[sid] for sid in sorted(mine)]  # program order
-            pins = self.remat.acquire(call.inputs, str(func))
+            pins = self.remat.acquire(call.inputs, op.name)
             for s in call.inputs:
                 memory.touch(s)
             if op.written:
@@ -160,16 +160,20 @@ class Dispatch:
         with self.runtime.mode, torch._C._AutoDispatchBelowADInplaceOrView():
             return call.func.redispatch(placement.backend_keyset(self.device.type), *call.args, **call.kwargs)
 
-    def _externals(self, call: _Call):
-        """(position, tensor) of the op's tensor arguments that live outside the arena, and how it writes them
-        (positions, or None before the first call of this configuration)."""
+    def _externals(self, call: _Call, plan):
+        """(position, tensor) of the op's tensor arguments that live outside the arena, the key under which what
+        it writes among them is remembered, and those positions (None before the first call of this op
+        configuration with these arguments external)."""
         externals = [(pos, t) for pos, name, _ in call.op.tensor_args
                      if isinstance(t := ops.arg(call.pargs, call.pkwargs, pos, name, False), torch.Tensor)
                      and not self.arena.owns(t)]
         if not externals or self.device.type == "meta":
             return externals, None, frozenset()
-        key = (call.func, repr([a for a in call.plain if not isinstance(a, torch.Tensor)]))
-        return externals, key, _UNMARKED_WRITES.get(key)
+        where = tuple(pos for pos, _ in externals)
+        if plan is not None:  # one configuration: the plan's own table
+            return externals, (plan.hidden, where), plan.hidden.get(where)
+        key = (call.func, where, repr([a for a in call.plain if not isinstance(a, torch.Tensor)]))
+        return externals, (_UNMARKED_WRITES, key), _UNMARKED_WRITES.get(key)
 
     def _hidden_writes(self, call: _Call, recipe: Recipe, externals, written) -> bool:
         """See Rule 5: writes into external tensors the schema does not mark. Returns whether the outputs stay
@@ -193,9 +197,9 @@ class Dispatch:
         try:
             for spec in plan.outputs:
                 placed.append(memory.allocate(spec.nbytes, plan.cost, evictable=not call.op.effectful,
-                                              inputs=call.inputs, pinned=True, op=str(func)) if spec.nbytes else None)
+                                              inputs=call.inputs, pinned=True, op=call.op.name) if spec.nbytes else None)
             self._bind(call, owner)
-            externals, key, written = self._externals(call)
+            externals, key, written = self._externals(call, plan)
             probe = None
             if written is None:  # first call of this op and configuration: look for writes the schema hides
                 probe = [(pos, t, t._version, t.clone()) for pos, t in externals]
@@ -207,7 +211,7 @@ class Dispatch:
             memory.may_relocate = True
             self._account(plan.cost)
             if probe is not None:
-                written = _UNMARKED_WRITES[key] = frozenset(
+                written = key[0][key[1]] = frozenset(
                     pos for pos, t, v, before in probe if t._version != v or not torch.equal(t, before))
             rargs, rkwargs = ops.unflatten(call.recorded, call.spec)
             recipe = Recipe.make(func, rargs, rkwargs, rng, plan.cost, uninitialized=call.op.uninitialized,
@@ -247,7 +251,7 @@ class Dispatch:
     def _run_temporary(self, call: _Call, plan):
         """The op computes its outputs into temporaries; each is copied into its own range at once."""
         func = call.func
-        externals, key, written = self._externals(call)
+        externals, key, written = self._externals(call, plan)
         probe = None
         if written is None:
             probe = [(pos, t, t._version, t.clone()) for pos, t in externals]
@@ -259,7 +263,7 @@ class Dispatch:
         self._account(cost)
         self.memory.may_relocate = True  # the op has run: its inputs' views are dead, they may move
         if probe is not None:
-            written = _UNMARKED_WRITES[key] = frozenset(
+            written = key[0][key[1]] = frozenset(
                 pos for pos, t, v, before in probe if t._version != v or not torch.equal(t, before))
         rargs, rkwargs = ops.unflatten(call.recorded, call.spec)
         recipe = Recipe.make(func, rargs, rkwargs, rng, cost, uninitialized=call.op.uninitialized,
@@ -287,7 +291,7 @@ class Dispatch:
         size = tuple(o.size())
         stride = placement.layout(size, o.stride())
         nbytes = placement.span_bytes(size, stride, o.element_size())
-        s = self.memory.allocate(nbytes, recipe.cost, evictable=evictable, inputs=inputs, pinned=True, op=str(func))
+        s = self.memory.allocate(nbytes, recipe.cost, evictable=evictable, inputs=inputs, pinned=True, op=ops.info(func).name)
         placed.append(s)
         s.payload = Data(self.runtime, dead_ref, recipe if evictable else None, index)
         if not evictable:

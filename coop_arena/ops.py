@@ -29,6 +29,7 @@ class OpInfo:
     effectful: bool         # effects outside its outputs (Rule 5)
     tensor_args: tuple      # (position, name, optional) of arguments typed Tensor or Tensor?
     flops: object           # torch.utils.flop_counter formula, or None
+    name: str               # str(func), for messages (computed once)
 
 
 _CACHE: dict = {}
@@ -56,7 +57,8 @@ def info(func) -> OpInfo:
             uninitialized=func.overloadpacket in _UNINITIALIZED,
             effectful=func.namespace in _EFFECTFUL_NAMESPACES,
             tensor_args=tuple(tensor_args),
-            flops=flop_registry.get(func.overloadpacket))
+            flops=flop_registry.get(func.overloadpacket),
+            name=str(func))
     return i
 
 

@@ -29,7 +29,8 @@ Limitations: ops whose output shape depends on data (nonzero, masked_select) can
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -58,6 +59,8 @@ class OpPlan:
     out_op: object        # the out= variant that writes into arena views, or None (temporary path)
     out_names: tuple      # its written keyword arguments, one per output
     cost: float           # the op's analytic cost (cost.py)
+    hidden: dict = field(default_factory=dict)  # external argument positions -> those it writes although its
+                                                # schema does not say so (dispatch.py, Rule 5); filled there
 
 
 _PLANS: dict = {}
@@ -111,9 +114,10 @@ def keeps_layout(size, stride) -> bool:
     return True
 
 
-def layout(size, stride) -> tuple:
+@functools.lru_cache(maxsize=4096)
+def layout(size: tuple, stride: tuple) -> tuple:
     """The strides an output is placed with: its own, unless two of its elements share an address."""
-    return tuple(stride) if keeps_layout(size, stride) else contiguous_strides(size)
+    return stride if keeps_layout(size, stride) else contiguous_strides(size)
 
 
 def contiguous_strides(size) -> tuple:

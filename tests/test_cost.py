@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from training import train
 
 import coop_arena
-import coop_arena.runtime as runtime
+import coop_arena.dispatch as dispatch
+import coop_arena.placement as placement
 from coop_arena import cost, ops
 from coop_arena.examples import MODELS
 from coop_arena.plan import load, step
@@ -182,7 +183,9 @@ def compare_costs(monkeypatch):
         seen.append(formula)
         return got
 
-    monkeypatch.setattr(runtime, "op_cost", both)
+    for module in (dispatch, placement):  # placement costs an op once per configuration: start from none known
+        monkeypatch.setattr(module, "op_cost", both)
+    monkeypatch.setattr(placement, "_PLANS", {})
     return seen
 
 

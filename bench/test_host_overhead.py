@@ -1,0 +1,134 @@
+"""Host time per aten op: plain eager, an empty dispatch mode, and a Budget with ample memory and at 60 % and 50 %
+of the plain peak, on tiny tensors so that the op's own work is negligible. Side by side in one run; the timer is
+the process's CPU time (`--benchmark-timer time.process_time`, these machines are shared) and the statistic the
+minimum over rounds.
+
+    .venv/bin/python -m pytest bench/test_host_overhead.py --benchmark-only --benchmark-timer time.process_time \
+        --benchmark-json bench/results/host_overhead.json
+    .venv/bin/python bench/report.py host_overhead bench/results/host_overhead.json > bench/results/host_overhead.md
+
+"first" is the first block of a new Budget, "later" the next blocks of the same Budget (what a training loop
+runs). Targets (issue): ample, first <= 3x the empty mode's us/op; later <= 2x; 60 %, later <= 2.5x.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import coop_arena
+
+torch.set_num_threads(1)
+
+
+class EmptyMode(TorchDispatchMode):
+    """A dispatch mode that only calls the op: the floor any dispatch-mode library pays."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class Counter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _mlp():
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(200):
+        layers += [nn.Linear(8, 8), nn.ReLU()]
+    model, x = nn.Sequential(*layers), torch.randn(2, 8)
+    return lambda: model(x).sum().backward(), model
+
+
+def _chain():
+    x = torch.randn(16, requires_grad=True)
+
+    def step():
+        y = x
+        for _ in range(2000):
+            y = y + 1
+        y.sum().backward()
+    return step, None
+
+
+def _gpt2():
+    import transformers
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=16, n_layer=12, n_head=2, vocab_size=64, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    return lambda: model(input_ids=ids, labels=ids).loss.backward(), model
+
+
+def _resnet50():
+    from bench.gpu_check import ResNet
+    torch.manual_seed(0)
+    model = ResNet(width=4, classes=10)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    return lambda: F.cross_entropy(model(x), torch.tensor([1, 2])).backward(), model
+
+
+WORKLOADS = {"mlp_200x8": _mlp, "add_chain_2000": _chain, "gpt2_layout": _gpt2, "resnet50_layout": _resnet50}
+
+
+@functools.cache
+def _workload(name):
+    step, model = WORKLOADS[name]()
+
+    def run(ctx):
+        with ctx:
+            step()
+        if model is not None:
+            for p in model.parameters():
+                p.grad = None
+    counter = Counter()
+    run(counter)
+    probe = coop_arena.Budget(1 << 30, device="cpu")
+    run(probe)
+    return run, counter.n, probe.stats.peak_bytes
+
+
+CONFIGS = ["eager", "empty_mode", "ample-first", "ample-later", "0.6-first", "0.6-later", "0.5-first", "0.5-later"]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_host_time_per_op(benchmark, name, config):
+    run, ops, peak = _workload(name)
+    benchmark.group = name
+    benchmark.extra_info.update(workload=name, config=config, ops=ops, peak=peak)
+    if config == "eager":
+        benchmark.pedantic(run, args=(contextlib.nullcontext(),), rounds=5, warmup_rounds=1)
+        return
+    if config == "empty_mode":
+        benchmark.pedantic(lambda: run(EmptyMode()), rounds=5, warmup_rounds=1)
+        return
+    ratio, when = config.split("-")
+    nbytes = (1 << 30) if ratio == "ample" else int(float(ratio) * peak)
+    budgets = []
+    if when == "first":
+        def setup():
+            budgets.append(coop_arena.Budget(nbytes, device="cpu"))
+            return (budgets[-1],), {}
+        benchmark.pedantic(run, setup=setup, rounds=5)
+    else:
+        budgets.append(coop_arena.Budget(nbytes, device="cpu"))
+        benchmark.pedantic(run, args=(budgets[0],), rounds=5, warmup_rounds=1)
+    st = budgets[-1].stats
+    benchmark.extra_info.update(evictions=st.evictions, rematerializations=st.rematerializations,
+                                compute_overhead=st.compute_overhead)
+    if ratio != "ample":
+        assert st.evictions > 0
