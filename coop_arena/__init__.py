@@ -1,11 +1,11 @@
 """coop_arena: train PyTorch models under a hard memory budget (Coop sliding-window rematerialization)."""
 
-from .errors import (ArenaAllocationError, BudgetUsageError, CompileNotApplied, CoopArenaError, OutOfBudget, TensorLost,
-                     Thrashing, UnsupportedOp)
+from .errors import (ArenaAllocationError, BudgetUsageError, CompileNotApplied, CoopArenaError, OutOfBudget,
+                     RawMemoryError, TensorLost, Thrashing, UnsupportedOp)
 from .memory import Memory
 
 __all__ = ["ArenaAllocationError", "BudgetUsageError", "CompileNotApplied", "CoopArenaError", "Memory", "OutOfBudget",
-           "TensorLost", "Thrashing", "UnsupportedOp"]
+           "RawMemoryError", "TensorLost", "Thrashing", "UnsupportedOp"]
 
 from .budget import Budget, BudgetStats, pinned  # noqa: E402
 from .tensor import Tensor  # noqa: E402

@@ -314,6 +314,12 @@ class Dispatch:
             return self._wrap_alias(out, call.inputs, call.func)
         out = call.func(*call.pargs, **call.pkwargs)
         self.memory.may_relocate = True
+        if call.func is aten.detach.default:  # detach keeps its input's kind
+            x = call.args[0]
+            if not isinstance(x, Tensor):
+                return out  # a raw view's stays raw: C++ readers (numpy()) detach it, then read the pointer
+            if not x._inside():
+                return x._alias()  # an escaped tensor's stays a coop_arena.Tensor, as outside a block
         if isinstance(out, torch.Tensor):
             return self._wrap_alias(out, call.inputs, call.func) if self.arena.owns(out) else out
         return type(out)(self._wrap_alias(o, call.inputs, call.func)

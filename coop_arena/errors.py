@@ -110,6 +110,21 @@ class ArenaAllocationError(CoopArenaError):
         )
 
 
+class RawMemoryError(BudgetUsageError):
+    """Raw memory of a tensor asked for inside its Budget (a pointer, its storage, a numpy array or DLPack capsule
+    sharing its bytes): the bytes live in the arena, where any later op may evict or move them."""
+
+    def __init__(self, what: str, sid: int, instead: str = ""):
+        self.what = what
+        self.sid = sid
+        super().__init__(
+            f"{what} would hand out the arena memory of a coop_arena.Tensor (storage {sid}) inside its Budget, "
+            f"where the next op may evict or move those bytes. For raw memory that stays put, use "
+            f"`with coop_arena.pinned(t) as raw:` and call it on `raw` inside that `with`{instead}; after the block "
+            f"the tensor holds its own copy and {what} works as on any tensor."
+        )
+
+
 class TensorLost(CoopArenaError):
     """A tensor that escaped a failed block could not be restored, so its value is gone."""
 

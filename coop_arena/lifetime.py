@@ -24,9 +24,11 @@ Rationale: after backward, most wrappers are held only by the finished autograd 
   restoring every evicted storage that still has a wrapper, to copy it out, replays work nobody will read.
 Approach: storages whose wrappers are gone are dropped first (a cycle collection runs first when an evicted storage
   still has wrappers, since reference cycles are what keeps finished graphs alive); what the user still holds is
-  copied out of the arena, resident storages first; evicted ones are replayed (counted in
-  `exit_rematerializations`) only when the block ends normally. When an exception leaves the block, nothing is
-  replayed: evicted storages are dropped and raise TensorLost on use, so the block ends at once.
+  copied out of the arena, resident storages first, and each live wrapper takes its copy as its real storage (Note
+  [Escaped tensors] in tensor.py); evicted ones are replayed (counted in `exit_rematerializations`) only when the
+  block ends normally. When an exception leaves the block, nothing is replayed: evicted storages are dropped and
+  raise TensorLost on use, so the block ends at once. So do the outputs an op had placed before it failed (freed
+  with the error, but their wrappers may live on in its traceback).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import torch
 from .errors import CoopArenaError
 from .recipe import dead_ref, plain_dispatch
 from .storage import State, Storage
-from .tensor import Tensor
+from .tensor import Tensor, adopt
 
 
 class _WrapperRef(weakref.ref):
@@ -143,18 +145,23 @@ class Lifetime:
         for s in live:
             d = s.payload
             try:
+                if s.state is State.FREED:  # an output of an op that failed, still held by the error's traceback
+                    raise _Dropped("was freed when the op that made it failed")
                 if s.state is State.EVICTED:
                     if failed:
-                        raise _Dropped()
+                        raise _Dropped("was evicted when its Budget ended and the block ended with an error before "
+                                       "it could be copied out")
                     before = self.counters.rematerializations
                     remat.restore(s)
                     self.counters.exit_rematerializations += self.counters.rematerializations - before
                 d.detached = self.arena.bytes(s.offset, s.nbytes).clone()
             except (CoopArenaError, _Dropped) as e:
                 self.counters.dropped += 1
-                why = ("the block ended with an error before it could be copied out" if isinstance(e, _Dropped)
-                       else f"it could not be restored: {e}")
-                d.lost = f"storage {s.sid} was evicted when its Budget ended and {why}"
+                d.lost = f"storage {s.sid} " + (str(e) if isinstance(e, _Dropped) else
+                                                f"was evicted when its Budget ended and it could not be restored: {e}")
+        copies = {s.sid: s.payload.detached.untyped_storage() for s in live if s.payload.detached is not None}
+        adopt([(t, copies[ref.cell.storage.sid]) for ref in list(self._refs.values())  # Note [Escaped tensors]
+               if ref.cell.storage.sid in copies and (t := ref()) is not None])
         for s in live:
             s.payload.runtime = None
             s.payload.recipe = None

@@ -101,8 +101,9 @@ class Data:
             self.cell_ref = weakref.ref(c)
         return c
 
-    def plain_view(self, t) -> torch.Tensor:
-        """A plain tensor over wrapper `t`'s bytes: its own copy after the block, the arena inside it."""
+    def plain_view(self, t, *, copy: bool = False) -> torch.Tensor:
+        """A plain tensor over wrapper `t`'s bytes: its own copy after the block, the arena inside it (with
+        `copy=True`, inside it: a fresh copy of the whole storage, for paths that hand the bytes out)."""
         with plain_dispatch():
             if self.detached is not None:
                 return self.detached.view(t.dtype).as_strided(t.size(), t.stride(), t.storage_offset())
@@ -110,7 +111,12 @@ class Data:
                 raise TensorLost(self.lost)
             rt = self.runtime
             _internal_assert(rt is not None, "a storage with neither an arena nor a copy")
-            return rt.plain_view(t)
+            view = rt.plain_view(t)
+            if not copy:
+                return view
+            s = t._cell.storage
+            own = rt.arena.bytes(s.offset, s.nbytes).clone()
+            return own.view(t.dtype).as_strided(t.size(), t.stride(), t.storage_offset())
 
 
 def dead_ref():

@@ -6,6 +6,29 @@ record holding the bytes. Eviction and restoring happen per storage (Rule 2), so
 
 Outside a Budget (after the block ends) a wrapper reads the plain copy its storage was given on exit; any op
 on it then runs on that plain tensor and returns plain tensors.
+
+Note [Escaped tensors]
+Rationale: a wrapper that outlives its block (`loss`, logits, a kept activation) is the user's tensor: it must work
+  wherever a plain tensor of its dtype, shape, strides and device works, including the paths that do not go
+  through aten dispatch (C++ that reads the storage, tolist, numpy, pickling, copying, DLPack).
+Approach: at block exit every live wrapper is given its storage's plain copy as its own storage (`adopt`, called by
+  Lifetime.finish), so data_ptr, untyped_storage and C++ code that reads the storage (DDP's reducer) see real
+  memory. The paths that PyTorch refuses for subclasses are methods below that call the same method on a plain
+  tensor over the same bytes, with the same requires_grad (and nn.Parameter-ness), so PyTorch's own checks and
+  formats apply. Paths that copy hand out plain tensors: copy.copy, copy.deepcopy, pickle and torch.load give a
+  `torch.Tensor` (or an `nn.Parameter`). `detach` keeps the type, as PyTorch asks of a subclass (`nn.Parameter(t)`
+  needs it), in a later block too.
+  Inside the block the bytes live in the arena, where any op may evict or move them. Paths that only read values
+  (tolist, repr, format, pickling, deepcopy, numpy(force=True), __array__, __dlpack__(copy=True)) restore the
+  storage and read or copy it at once with dispatch disabled, so nothing runs in between that could evict it;
+  copy.copy and detach give another wrapper over the same storage. Paths that hand out raw memory with no end in
+  sight (data_ptr, untyped_storage, numpy(), __dlpack__) raise RawMemoryError, which points to
+  `coop_arena.pinned(t)`, before anything is restored.
+Limitations: inside the block, `numpy.asarray(t)` is a copy (numpy allows one; `copy=False` is refused by numpy itself,
+  as for plain tensors), and two views of one storage pickled together are saved as two copies (deepcopy keeps them
+  views of one copy). A wrapper whose storage was lost at exit has no storage: every path above reaches `as_plain`,
+  which raises TensorLost, except repr (and format, which prints it), which shows the message instead (a repr that
+  raises breaks printing whatever holds the tensor).
 """
 
 from __future__ import annotations
@@ -13,7 +36,9 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_map
 
-from .errors import TensorLost
+from .errors import RawMemoryError, TensorLost
+
+aten = torch.ops.aten
 
 
 class Cell:
@@ -41,20 +66,130 @@ class Tensor(torch.Tensor):
     def __init__(self, *args, **kwargs):  # everything happens in __new__
         super().__init__()
 
-    def __repr__(self, *, tensor_contents=None):
-        s = self._cell.storage
-        try:
-            body = repr(self.as_plain())
-        except TensorLost as e:
-            body = f"<lost: {e}>"
-        return f"coop_arena.Tensor(storage={s.sid}, {s.state.value}, {body})"
-
     def as_plain(self) -> torch.Tensor:
         """A plain tensor over this tensor's bytes (a Budget's arena inside the block, its own copy after)."""
         return self._cell.storage.payload.plain_view(self)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        # Reached only when no Budget is active: the op runs on plain tensors and returns plain tensors.
+        # Reached only when no Budget is active: the op runs on plain tensors and returns plain tensors, except
+        # detach, which keeps the type (See Note [Escaped tensors]).
+        if func is aten.detach.default and not args[0]._inside():
+            return args[0]._alias()
         unwrap = lambda x: x.as_plain() if isinstance(x, Tensor) else x
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+    # ================================================== paths outside aten dispatch (See Note [Escaped tensors])
+    def _inside(self) -> bool:
+        return self._cell.storage.payload.runtime is not None
+
+    def _plain(self, plain: torch.Tensor) -> torch.Tensor:
+        """`plain` with this tensor's requires_grad, as an nn.Parameter if this tensor is one."""
+        if getattr(self, "_is_param", False):
+            return torch.nn.Parameter(plain, self.requires_grad)
+        return plain.requires_grad_(self.requires_grad)
+
+    def _view(self) -> torch.Tensor:
+        """A plain tensor over these bytes, read at once (inside the block: valid until the next op)."""
+        return self._plain(self.as_plain())
+
+    def _own(self, memo: dict | None = None) -> torch.Tensor:
+        """A plain tensor over a storage of its own with these bytes: the copy it holds after the block, a fresh
+        copy of its storage inside it (one per storage and `memo`, so views copied together stay views)."""
+        key = ("coop_arena.storage", id(self._cell.storage))
+        storage = memo.get(key) if memo is not None else None
+        if storage is None:
+            plain = self._cell.storage.payload.plain_view(self, copy=True)
+            if memo is not None:
+                memo[key] = plain.untyped_storage()
+        else:
+            with torch._C._DisableTorchDispatch():
+                plain = torch.empty(0, dtype=self.dtype, device=self.device).set_(
+                    storage, self.storage_offset(), self.size(), self.stride())
+        return self._plain(plain)
+
+    def _alias(self) -> Tensor:
+        """Another wrapper over this escaped tensor's copy: its detach (PyTorch asks a subclass's detach to keep the
+        type; nn.Parameter(t) needs it)."""
+        storage = self.as_plain().untyped_storage()
+        out = Tensor(self._cell, self.size(), self.stride(), self.storage_offset(), self.dtype, self.device)
+        adopt([(out, storage)])
+        return out
+
+    def _raw(self, what: str, instead: str = "") -> torch.Tensor:
+        """A plain tensor sharing these bytes, for a path that hands out raw memory: refused inside the block."""
+        if self._inside():
+            raise RawMemoryError(what, self._cell.storage.sid, instead)
+        return self._view()
+
+    def __repr__(self, *, tensor_contents=None):
+        """A plain tensor's repr (PyTorch writes a subclass named Tensor as `Tensor(`, as wide as `tensor(`); inside
+        the block, with the storage and its state before this read; a lost tensor shows why instead of raising."""
+        d, s = self._cell.storage.payload, self._cell.storage
+        if d.lost is not None:
+            return f"coop_arena.Tensor(lost: {d.lost})"
+        state = s.state.value
+        r = super().__repr__(tensor_contents=tensor_contents)
+        if r.startswith("Parameter("):
+            r = "Parameter containing:\n" + r[len("Parameter("):-1]
+        r = r.replace("Tensor(", "tensor(", 1)
+        return f"coop_arena.Tensor(storage={s.sid}, {state}, {r})" if self._inside() else r
+
+    def __format__(self, spec: str) -> str:
+        if self.dim() != 0:
+            return super().__format__(spec)
+        with torch._C._DisableTorchDispatch():
+            return self._view().__format__(spec)
+
+    def tolist(self):
+        with torch._C._DisableTorchDispatch():
+            return self._view().tolist()
+
+    def numpy(self, *, force: bool = False):
+        with torch._C._DisableTorchDispatch():
+            if force and self._inside():  # force=True allows a copy
+                return self._own().numpy(force=True)
+            return self._raw("t.numpy()", ", or t.numpy(force=True) or t.tolist() for a copy").numpy(force=force)
+
+    def __array__(self, dtype=None):
+        # PyTorch's signature, so numpy treats copy= as for a plain tensor; inside the block it gets a copy
+        with torch._C._DisableTorchDispatch():
+            return (self._own() if self._inside() else self._view()).__array__(dtype)
+
+    def __dlpack__(self, **kwargs):
+        with torch._C._DisableTorchDispatch():
+            if self._inside() and kwargs.get("copy") is True:
+                return self._own().__dlpack__(**kwargs)
+            return self._raw("t.__dlpack__()", ", or pass copy=True for a copy").__dlpack__(**kwargs)
+
+    def data_ptr(self) -> int:
+        return self._raw("t.data_ptr()").data_ptr()
+
+    def untyped_storage(self) -> torch.UntypedStorage:
+        return self._raw("t.untyped_storage()").untyped_storage()
+
+    def __reduce_ex__(self, proto):
+        with torch._C._DisableTorchDispatch():
+            return self._own().__reduce_ex__(proto)
+
+    def __deepcopy__(self, memo):
+        if not self.is_leaf:
+            return super().__deepcopy__(memo)  # PyTorch's own error: only graph leaves can be deep-copied
+        with torch._C._DisableTorchDispatch():
+            plain = self._own(memo)
+            memo.setdefault(id(memo), []).append(plain)  # its id keys `memo`: it must outlive it (copy's _keep_alive)
+            return plain.__deepcopy__(memo)
+
+    def __copy__(self):
+        """Like a plain tensor's: a new leaf over the same bytes (another wrapper inside the block)."""
+        if self._inside():
+            return self.detach().requires_grad_(self.requires_grad)
+        return self._view()
+
+
+def adopt(pairs) -> None:
+    """Give each wrapper of the (wrapper, storage) `pairs` that storage (its bytes' own copy) as its real storage
+    (See Note [Escaped tensors]); each keeps its own view of it. One call for many: about 2 us a wrapper."""
+    with torch._C._DisableTorchDispatch(), torch._C._AutoDispatchBelowADInplaceOrView():
+        for t, storage in pairs:
+            torch.Tensor.set_(t, storage, t.storage_offset(), t.size(), t.stride())
