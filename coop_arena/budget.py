@@ -91,8 +91,7 @@ class _Mode(TorchDispatchMode):
 
 class Budget:
     def __init__(self, nbytes: int, *, device=None, policy: str = "coop", partition: bool = True,
-                 recomputable_inplace: bool = True, alignment: int = 512, cheap_density: float | None = None,
-                 cheap_fraction: float = 0.3,
+                 recomputable_inplace: bool = True, alignment: int = 512, cheap_density: float = 4.0,
                  trace_len: int = 10_000, max_overhead: float | None = None, relocate: bool = True,
                  backend: str = "torch"):
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
@@ -114,8 +113,7 @@ class Budget:
         self.policy = policy
         self.recomputable_inplace = recomputable_inplace
         self.memory = Memory(nbytes, policy=policy, partition=partition, alignment=alignment,
-                             cheap_density=cheap_density, cheap_fraction=cheap_fraction, trace_len=trace_len,
-                             relocate=relocate)
+                             cheap_density=cheap_density, trace_len=trace_len, relocate=relocate)
         try:
             self.arena = Arena(nbytes, self.device, self.memory.table.usable, backend=backend)
         except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
@@ -179,9 +177,15 @@ class Budget:
                 if self.max_overhead is not None else
                 "pass max_overhead (for example max_overhead=10) to stop such a step with coop_arena.Thrashing "
                 "instead of letting it run on")
-        return (f"The budget of {_fmt(self.memory.budget)} is too small for this step to run without recomputing "
-                f"most of it. `coop-arena plan MODEL --budget BYTES` finds the overhead of a budget in a dry run "
-                f"without running the model; raise the budget, use a smaller batch, or {stop}.")
+        c = self._runtime.counters
+        held = max(c.live_peak, 1)
+        suggest = min(1.0, 2.0 * (c.working_set_peak + c.unevictable_peak) / held)
+        return (f"The budget of {_fmt(self.memory.budget)} is {self.memory.budget / held:.2f} of the "
+                f"{_fmt(c.live_peak)} this step has held in tensors so far, too small to run without recomputing "
+                f"much of it; steps of the paper's models fit at low overhead from about twice their lower bound, "
+                f"here a ratio of about {suggest:.2f} so far. `coop-arena plan MODEL --budget {suggest:.2f}` checks "
+                f"a budget in a dry run without running the model; raise the budget, use a smaller batch, or "
+                f"{stop}.")
 
     def _collect(self, rt: Runtime) -> BudgetStats:
         m, c = self.memory.stats, rt.counters

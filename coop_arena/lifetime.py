@@ -67,6 +67,8 @@ class Lifetime:
         cell = s.payload.cell(s)
         t = Tensor(cell, size, stride, offset, dtype, self.device)
         s.payload.wrappers += 1
+        if s.payload.wrappers == 1:
+            self.counters.count_live(s.nbytes)
         self.live[s.sid] = s
         ref = _WrapperRef(t, self._died)
         ref.cell = cell
@@ -79,6 +81,7 @@ class Lifetime:
         d = s.payload
         d.wrappers -= 1
         if d.wrappers == 0 and d.runtime is not None:
+            self.counters.count_live(-s.nbytes)
             self.dead.append(s)
 
     def watch_leaf(self, x: torch.Tensor) -> None:

@@ -55,6 +55,8 @@ class RuntimeCounters:
     working_set_peak: int = 0       # largest bytes one op held at once: its inputs and its outputs
     frozen: int = 0                 # storages made unevictable by a later write to what they read
     dropped: int = 0                # storages given up at exit after an error (TensorLost on use)
+    live_bytes: int = 0             # now: bytes of storages a wrapper uses (without copy-on-write's moves)
+    live_peak: int = 0
     placed_bytes: int = 0           # output bytes written into the arena, replays included
     temporary_bytes: int = 0        # of those, bytes computed into a temporary first and copied in
     temporary_peak: int = 0         # largest sum of one op's temporaries (alive at once, outside the arena)
@@ -66,6 +68,12 @@ class RuntimeCounters:
         self.temporary_bytes += via_temporary
         if alive > self.temporary_peak:
             self.temporary_peak = alive
+
+    def count_live(self, nbytes: int) -> None:
+        """Bytes of storages a wrapper uses, resident or not: what the step would hold without eviction."""
+        self.live_bytes += nbytes
+        if self.live_bytes > self.live_peak:
+            self.live_peak = self.live_bytes
 
     def count_unevictable(self, nbytes: int, sign: int) -> None:
         self.unevictable_bytes += sign * nbytes

@@ -205,21 +205,8 @@ def test_expensive_low_cheap_high():
         (0, e1.sid, True), (U, e2.sid, True), (3 * U, None, None), (6 * U, c2.sid, False), (7 * U, c1.sid, False)]
 
 
-def test_cheap_is_the_cheapest_fraction_of_densities_seen():
-    m = Memory(64 * U, cheap_fraction=0.5)
-    kinds = [m.allocate(U, cost).expensive for cost in (100.0, 1.0, 50.0, 2.0, 80.0, 3.0, 1000.0, 0.5)]
-    # each is compared with the median of the densities placed so far, itself included
-    assert kinds == [False, False, False, False, True, False, True, False]
-    with pytest.raises(OutOfBudget):
-        m.allocate(1 << 40, 5.0)
-    assert len(m._densities) == 8  # a failed request counts no density (Rule 7)
-    for bad in (-0.1, 1.5, True, "0.3"):
-        with pytest.raises(ValueError, match="cheap_fraction"):
-            Memory(8 * U, cheap_fraction=bad)
-
-
 def test_cheap_goes_to_the_high_edge_of_a_hole():
-    m = Memory(8 * U, cheap_density=4.0)
+    m = Memory(8 * U)
     a = m.allocate(U, 1e9)
     hole = m.allocate(3 * U, 1e9)
     m.allocate(U, 1e9)
@@ -239,7 +226,7 @@ def test_partition_off_places_everything_low():
 def test_partitioning_gathers_cheap_storages_into_one_window():
     got = {}
     for partition in (True, False):
-        m = Memory(8 * U, partition=partition, cheap_density=4.0)
+        m = Memory(8 * U, partition=partition)
         for cost in (1e9, 1.0, 1e9, 1.0, 1e9, 1.0, 1e9, 1.0):   # interleaved expensive / cheap
             m.allocate(U, cost)
         m.allocate(4 * U, 1.0)
