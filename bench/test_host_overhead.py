@@ -117,6 +117,9 @@ def test_host_time_per_op(benchmark, name, config):
         benchmark.pedantic(lambda: run(EmptyMode()), rounds=5, warmup_rounds=1)
         return
     ratio, when = config.split("-")
+    if name == "add_chain_2000" and ratio != "ample":
+        pytest.skip("x + 1 saves nothing for backward: the step holds about two tensors at once, so a fraction of "
+                    "its peak is below one op's working set")
     nbytes = (1 << 30) if ratio == "ample" else int(float(ratio) * peak)
     budgets = []
     if when == "first":
