@@ -41,16 +41,20 @@ import torch
 from torch.nn.modules import module as _module
 from torch.utils._pytree import tree_map
 
+from . import sharded
 from .errors import BudgetUsageError
 from .tensor import Tensor
 
 _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
 
 
-def _sharded() -> tuple:
-    """FSDP's module classes, if FSDP was imported (no FSDP module can exist before)."""
+def _unsupported_sharded() -> tuple:
+    """The FSDP module classes a Budget cannot run, if FSDP was imported (no FSDP module can exist before):
+    FSDP1 always, FSDP2 where this torch lacks what sharded.py wraps."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
-    return () if fsdp is None else (fsdp.FSDPModule, fsdp.FullyShardedDataParallel)
+    if fsdp is None:
+        return ()
+    return (fsdp.FullyShardedDataParallel,) if sharded.supported() else (fsdp.FSDPModule, fsdp.FullyShardedDataParallel)
 
 
 def _ddp_class():
@@ -79,14 +83,19 @@ class Bookkeeping:
         self._windows: list[_Window] = []
         self._handles = ()
         self._thread = threading.get_ident()  # module hooks are global: modules run by other threads are not ours
+        self.sharded_depth = 0                 # > 0 inside FSDP2's own work (sharded.py)
+        self.settle = None                     # Runtime.settle, set by the Budget: before FSDP2 frees a parameter
 
     def open(self) -> None:
         self._thread = threading.get_ident()
+        sharded.open(self)
         if self._ddp is not None:
             self._handles = (_module.register_module_forward_pre_hook(self._pre),
                              _module.register_module_forward_hook(self._post, always_call=True))
 
     def close(self) -> None:
+        sharded.close(self)
+        self.sharded_depth = 0
         for h in self._handles:
             h.remove()
         self._handles = ()
@@ -100,12 +109,13 @@ class Bookkeeping:
             w.inner += 1
         elif isinstance(module, self._ddp) and hasattr(module, "reducer"):  # no reducer: nothing to keep apart
             self._windows.append(_Window(module))
-        elif isinstance(module, _sharded()):
+        elif isinstance(module, _unsupported_sharded()):
             raise BudgetUsageError(
-                f"{type(module).__name__} runs inside a Budget, which FSDP does not support: FSDP frees and refills "
+                f"{type(module).__name__} runs inside a Budget, which supports FSDP2 (fully_shard) only with the "
+                f"FSDP internals of torch 2.13 and 2.14 (sharded.py), and FSDP1 not at all: FSDP frees and refills "
                 f"its unsharded parameters' storage between forward and backward (UntypedStorage.resize_, which no "
-                f"dispatch mode sees), so a recomputation could read freed memory, and it allocates them inside "
-                f"the first forward. Use DistributedDataParallel under a Budget, or run the FSDP model without one")
+                f"dispatch mode sees), so a recomputation could read freed memory. Use fully_shard with a supported "
+                f"torch, or DistributedDataParallel, under a Budget, or run the FSDP model without one")
 
     def _post(self, module, args, output) -> None:
         if threading.get_ident() != self._thread:
@@ -120,6 +130,8 @@ class Bookkeeping:
 
     def active(self) -> bool:
         """True while an op that reads nothing from the arena belongs to an engine, not to the step."""
+        if self.sharded_depth:
+            return True
         if self._windows and self._windows[-1].inner == 0:
             return True
         if torch._C._current_graph_task_id() < 0:

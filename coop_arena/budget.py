@@ -142,6 +142,7 @@ class Budget:
         self._runtime = Runtime(self.memory, self.arena, recomputable_inplace=self.recomputable_inplace,
                                 max_overhead=self.max_overhead, explain=self._explain_thrashing,
                                 bookkeeping=self._bookkeeping)
+        self._bookkeeping.settle = self._runtime.settle
         self._mode = self._runtime.mode = _Mode(self._runtime)
         self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(_warn_if_compiled)
         self._mode.__enter__()

@@ -1,0 +1,121 @@
+"""FSDP2 (`fully_shard`) under a Budget: FSDP's own work runs outside the arena, and a reshard settles first.
+
+Rules enforced here (see ../shared DESIGN numbering):
+1. FSDP's all-gather buffers, unsharded parameters and sharded gradients are model-sized state that another
+   engine makes inside the block and keeps across steps: they are made outside the arena (bookkeeping.py).
+5. A reshard frees an unsharded parameter's storage (`UntypedStorage.resize_(0)`, which no dispatch mode
+   sees), so a recomputation recorded against it would read freed memory: what read it is settled first.
+
+Note [FSDP2 under a Budget]
+Rationale: `fully_shard` keeps each module's parameters sharded. Its hooks all-gather a module's parameters
+  before its forward and before its backward, into buffers made at the first all-gather and reused every
+  step; free the unsharded storage after the forward (`reshard_after_forward=True`, the default) and after
+  the backward; and reduce-scatter the gradients into the sharded parameters' `.grad`. Made inside the arena
+  the buffers would be wrappers that FSDP cannot resize, and the gradients would be arena memory kept after
+  the block.
+Approach: while a Budget is open, the methods of FSDP's parameter groups that do that work (lazy init,
+  pre/post forward, pre/post backward, unshard, wait, reshard, finalize) and the root state's pre-forward run
+  inside a bookkeeping window: an op in it that reads nothing from the arena runs on plain tensors (Rule 1);
+  one that reads the arena (the module's own inputs) is the step's as usual. Before `free_unsharded_param`
+  frees a parameter, `Runtime.settle` makes the block independent of it: the storages computed from it are
+  restored if evicted and made unevictable (Rule 5). After the backward's all-gather refills it, new readers
+  are evictable again until the next reshard. The methods are looked up on their classes at each call, so
+  replacing them on the classes while a Budget is open reaches modules sharded before it; they are put back
+  when the last open Budget closes, and only the thread that opened a Budget is affected.
+Limitations: the storages read directly from a parameter stay resident from its reshard to the block's end
+  (a linear layer's output; what is computed from them stays evictable), so under FSDP2 a Budget saves less
+  than under DDP. This is FSDP's private API of the installed torch; a torch without these methods gets a
+  BudgetUsageError when an FSDP module runs inside a Budget. FSDP1, mixed precision, CPU offload, HSDP,
+  `reshard_after_forward` as an int, and CUDA streams are not tested.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+
+_GROUP = ("lazy_init", "pre_forward", "post_forward", "pre_backward", "post_backward", "unshard",
+          "wait_for_unshard", "reshard", "finalize_backward")
+_STATE = ("_root_pre_forward",)
+
+_lock = threading.Lock()
+_open: dict[int, object] = {}      # thread id -> the Bookkeeping of the Budget open in that thread
+_saved: list[tuple] = []           # (class, name, original) while patched
+
+
+def classes():
+    """(FSDPParamGroup, FSDPState, FSDPParam) of the installed torch, or None where FSDP2 is not imported or
+    lacks a method this module wraps."""
+    mods = [sys.modules.get(f"torch.distributed.fsdp._fully_shard.{m}")
+            for m in ("_fsdp_param_group", "_fsdp_state", "_fsdp_param")]
+    if any(m is None for m in mods):
+        return None
+    group = getattr(mods[0], "FSDPParamGroup", None)
+    state = getattr(mods[1], "FSDPState", None)
+    param = getattr(mods[2], "FSDPParam", None)
+    if group is None or state is None or param is None:
+        return None
+    if not all(hasattr(group, n) for n in _GROUP) or not all(hasattr(state, n) for n in _STATE) \
+            or not hasattr(param, "free_unsharded_param"):
+        return None
+    return group, state, param
+
+
+def supported() -> bool:
+    return classes() is not None
+
+
+def _window(original):
+    @functools.wraps(original)
+    def run(*args, **kwargs):
+        bk = _open.get(threading.get_ident())
+        if bk is None:
+            return original(*args, **kwargs)
+        bk.sharded_depth += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            bk.sharded_depth -= 1
+    return run
+
+
+def _settling(original):
+    @functools.wraps(original)
+    def run(fsdp_param, *args, **kwargs):
+        bk = _open.get(threading.get_ident())
+        if bk is not None and bk.settle is not None:
+            tensors = [*getattr(fsdp_param, "all_gather_outputs", ()),
+                       *getattr(fsdp_param, "_unsharded_inner_tensors", ())]
+            bk.settle([t for t in tensors if t.untyped_storage().nbytes() > 0])
+        return original(fsdp_param, *args, **kwargs)
+    return run
+
+
+def open(bookkeeping) -> None:
+    """Route FSDP's work in this thread through `bookkeeping` until `close`."""
+    found = classes()
+    if found is None:
+        return
+    group, state, param = found
+    with _lock:
+        _open[threading.get_ident()] = bookkeeping
+        if _saved:
+            return
+        for cls, names, wrap in ((group, _GROUP, _window), (state, _STATE, _window),
+                                 (param, ("free_unsharded_param",), _settling)):
+            for name in names:
+                original = cls.__dict__.get(name, getattr(cls, name))
+                _saved.append((cls, name, original))
+                setattr(cls, name, wrap(original))
+
+
+def close(bookkeeping) -> None:
+    with _lock:
+        if _open.get(threading.get_ident()) is bookkeeping:
+            del _open[threading.get_ident()]
+        if _open or not _saved:
+            return
+        for cls, name, original in reversed(_saved):
+            setattr(cls, name, original)
+        _saved.clear()
