@@ -7,7 +7,10 @@ Rule enforced here (see ../shared DESIGN numbering):
    - the forward bookkeeping of `DistributedDataParallel` (its forward minus the wrapped module's forward):
      bucket rebuilding, buffer broadcasts, join notifications;
    - the autograd engine's gradient accumulation hooks (DDP's reducer, an optimizer run from a
-     post-accumulate-grad hook) and its final callbacks (DDP's `finalize_backward`).
+     post-accumulate-grad hook) and its final callbacks (DDP's `finalize_backward`);
+   - FSDP2's hooks (sharded.py);
+   - `copy.deepcopy` of a tensor or parameter from before the block (a module copied for an EMA or a target
+     network), with the Budget's dispatch mode set aside (patches.py).
    Those ops run on plain tensors and return plain tensors; a write they make into a tensor outside the arena
    still freezes the storages that read its old value (Rule 5). An op that reads an arena tensor is the step's,
    wherever it runs, and goes through the arena as usual.
@@ -34,14 +37,16 @@ Limitations: communication hooks whose future callbacks run on a backend thread 
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 
 import torch
 from torch.nn.modules import module as _module
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map
 
-from . import sharded
+from . import patches, sharded
 from .errors import BudgetUsageError
 from .tensor import Tensor
 
@@ -88,13 +93,13 @@ class Bookkeeping:
 
     def open(self) -> None:
         self._thread = threading.get_ident()
-        sharded.open(self)
+        patches.open(self, [*sharded.replacements(), *_COPIES])
         if self._ddp is not None:
             self._handles = (_module.register_module_forward_pre_hook(self._pre),
                              _module.register_module_forward_hook(self._post, always_call=True))
 
     def close(self) -> None:
-        sharded.close(self)
+        patches.close(self)
         self.sharded_depth = 0
         for h in self._handles:
             h.remove()
@@ -146,6 +151,21 @@ def run_outside(dispatch, func, args, kwargs, written) -> object:
     for t in written:
         dispatch._freeze_readers_of_external(_plain(t))
     return func(*tree_map(_plain, args), **tree_map(_plain, kwargs))
+
+
+def _copied_outside(original):
+    """A deep copy of a tensor from before the block (copy.deepcopy of a module: an EMA or target network) is
+    state kept across steps, made outside the arena like the original (Rule 1). Wrappers copy themselves."""
+    @functools.wraps(original)
+    def run(self, memo):
+        if patches.current() is None or isinstance(self, Tensor):
+            return original(self, memo)
+        with _disable_current_modes():
+            return original(self, memo)
+    return run
+
+
+_COPIES = [(torch.Tensor, "__deepcopy__", _copied_outside), (torch.nn.Parameter, "__deepcopy__", _copied_outside)]
 
 
 def _plain(x):

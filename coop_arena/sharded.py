@@ -19,9 +19,8 @@ Approach: while a Budget is open, the methods of FSDP's parameter groups that do
   one that reads the arena (the module's own inputs) is the step's as usual. Before `free_unsharded_param`
   frees a parameter, `Runtime.settle` makes the block independent of it: the storages computed from it are
   restored if evicted and made unevictable (Rule 5). After the backward's all-gather refills it, new readers
-  are evictable again until the next reshard. The methods are looked up on their classes at each call, so
-  replacing them on the classes while a Budget is open reaches modules sharded before it; they are put back
-  when the last open Budget closes, and only the thread that opened a Budget is affected.
+  are evictable again until the next reshard. The methods are replaced on their classes while a Budget is
+  open, for its thread only (patches.py), which reaches modules sharded before it.
 Limitations: the storages read directly from a parameter stay resident from its reshard to the block's end
   (a linear layer's output; what is computed from them stays evictable), so under FSDP2 a Budget saves less
   than under DDP. This is FSDP's private API of the installed torch; a torch without these methods gets a
@@ -33,15 +32,12 @@ from __future__ import annotations
 
 import functools
 import sys
-import threading
+
+from . import patches
 
 _GROUP = ("lazy_init", "pre_forward", "post_forward", "pre_backward", "post_backward", "unshard",
           "wait_for_unshard", "reshard", "finalize_backward")
 _STATE = ("_root_pre_forward",)
-
-_lock = threading.Lock()
-_open: dict[int, object] = {}      # thread id -> the Bookkeeping of the Budget open in that thread
-_saved: list[tuple] = []           # (class, name, original) while patched
 
 
 def classes():
@@ -56,8 +52,8 @@ def classes():
     param = getattr(mods[2], "FSDPParam", None)
     if group is None or state is None or param is None:
         return None
-    if not all(hasattr(group, n) for n in _GROUP) or not all(hasattr(state, n) for n in _STATE) \
-            or not hasattr(param, "free_unsharded_param"):
+    if not all(n in group.__dict__ for n in _GROUP) or not all(n in state.__dict__ for n in _STATE) \
+            or "free_unsharded_param" not in param.__dict__:
         return None
     return group, state, param
 
@@ -66,10 +62,20 @@ def supported() -> bool:
     return classes() is not None
 
 
+def replacements() -> list:
+    """(class, method name, wrap) for patches.open: empty where FSDP2 is not imported or not supported."""
+    found = classes()
+    if found is None:
+        return []
+    group, state, param = found
+    return [*((group, n, _window) for n in _GROUP), *((state, n, _window) for n in _STATE),
+            (param, "free_unsharded_param", _settling)]
+
+
 def _window(original):
     @functools.wraps(original)
     def run(*args, **kwargs):
-        bk = _open.get(threading.get_ident())
+        bk = patches.current()
         if bk is None:
             return original(*args, **kwargs)
         bk.sharded_depth += 1
@@ -83,39 +89,10 @@ def _window(original):
 def _settling(original):
     @functools.wraps(original)
     def run(fsdp_param, *args, **kwargs):
-        bk = _open.get(threading.get_ident())
+        bk = patches.current()
         if bk is not None and bk.settle is not None:
             tensors = [*getattr(fsdp_param, "all_gather_outputs", ()),
                        *getattr(fsdp_param, "_unsharded_inner_tensors", ())]
             bk.settle([t for t in tensors if t.untyped_storage().nbytes() > 0])
         return original(fsdp_param, *args, **kwargs)
     return run
-
-
-def open(bookkeeping) -> None:
-    """Route FSDP's work in this thread through `bookkeeping` until `close`."""
-    found = classes()
-    if found is None:
-        return
-    group, state, param = found
-    with _lock:
-        _open[threading.get_ident()] = bookkeeping
-        if _saved:
-            return
-        for cls, names, wrap in ((group, _GROUP, _window), (state, _STATE, _window),
-                                 (param, ("free_unsharded_param",), _settling)):
-            for name in names:
-                original = cls.__dict__.get(name, getattr(cls, name))
-                _saved.append((cls, name, original))
-                setattr(cls, name, wrap(original))
-
-
-def close(bookkeeping) -> None:
-    with _lock:
-        if _open.get(threading.get_ident()) is bookkeeping:
-            del _open[threading.get_ident()]
-        if _open or not _saved:
-            return
-        for cls, name, original in reversed(_saved):
-            setattr(cls, name, original)
-        _saved.clear()

@@ -456,3 +456,44 @@ def test_a_parameter_updated_in_place_inside_the_block_keeps_training_exact():
     budget = coop_arena.Budget(probe.stats.peak_bytes // 2, device="cpu")
     assert bitwise_equal(reference, run(budget))
     assert budget.stats.evictions > 0
+
+
+def test_a_module_deep_copied_inside_the_block_is_plain_state():
+    """An EMA model made with copy.deepcopy inside the block (as training loops do at their first step) is state
+    kept across steps, like the model: plain parameters and buffers outside the arena, equal to the originals at
+    the copy; the EMA updates and the training stay bitwise equal to plain PyTorch at half the peak."""
+    originals = (torch.Tensor.__deepcopy__, nn.Parameter.__deepcopy__)
+
+    def run(budget):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.Tanh(),
+                              *[m for _ in range(4) for m in (nn.Linear(64, 64), nn.Tanh())], nn.Linear(64, 8))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        ema, copies = None, []
+        for i in range(3):
+            torch.manual_seed(10 + i)
+            x = torch.randn(64, 32)
+            opt.zero_grad()
+            with budget if budget is not None else contextlib.nullcontext():
+                if ema is None:
+                    ema = copy.deepcopy(model)
+                    copies = [(type(t), budget is not None and budget.arena.owns(t), torch.equal(t, o))
+                              for t, o in zip([*ema.parameters(), *ema.buffers()],
+                                              [*model.parameters(), *model.buffers()])]
+                model(x).square().mean().backward()
+            opt.step()
+            with torch.no_grad():
+                for e, p in zip(ema.parameters(), model.parameters()):
+                    e.lerp_(p, 0.1)
+        return [t.detach().clone() for t in [*model.parameters(), *ema.parameters(), *ema.buffers()]], copies
+
+    reference, _ = run(None)
+    probe = coop_arena.Budget(1 << 26, device="cpu")
+    run(probe)
+    budget = coop_arena.Budget(probe.stats.peak_bytes // 2, device="cpu")
+    got, copies = run(budget)
+    assert bitwise_equal(reference, got)
+    assert budget.stats.evictions > 0
+    assert len(copies) == 17 and all(c == (nn.Parameter, False, True) for c in copies[:14]), copies
+    assert all(c == (torch.Tensor, False, True) for c in copies[14:]), copies  # running stats and the count
+    assert (torch.Tensor.__deepcopy__, nn.Parameter.__deepcopy__) == originals  # put back after the block

@@ -1,0 +1,46 @@
+"""Methods of other libraries that a Budget replaces while it is open, for the thread that opened it.
+
+Some work inside a block is not the step's and must not reach the arena, yet no dispatch mode can tell it
+apart from the step's own ops: it is recognised by the library method it runs in (FSDP2's hooks, sharded.py;
+deep copies of tensors from before the block, bookkeeping.py). A replacement looks up the Bookkeeping of the
+Budget open in the calling thread (`current()`) and behaves exactly as the original where there is none; the
+originals are put back when the last open Budget closes. Methods are looked up on their classes at each call,
+so replacing them on the class reaches objects made before.
+"""
+
+from __future__ import annotations
+
+import threading
+
+_lock = threading.Lock()
+_open: dict[int, object] = {}   # thread id -> the Bookkeeping of the Budget open in that thread
+_saved: list[tuple] = []        # (class, name, original) while replaced
+
+
+def current():
+    """The Bookkeeping of the Budget open in this thread, or None."""
+    return _open.get(threading.get_ident())
+
+
+def open(bookkeeping, replacements) -> None:
+    """Register `bookkeeping` for this thread; the first open Budget replaces each (class, name, wrap) of
+    `replacements` by wrap(original)."""
+    with _lock:
+        _open[threading.get_ident()] = bookkeeping
+        if _saved:
+            return
+        for cls, name, wrap in replacements:
+            original = cls.__dict__[name]
+            _saved.append((cls, name, original))
+            setattr(cls, name, wrap(original))
+
+
+def close(bookkeeping) -> None:
+    with _lock:
+        if _open.get(threading.get_ident()) is bookkeeping:
+            del _open[threading.get_ident()]
+        if _open:
+            return
+        for cls, name, original in reversed(_saved):
+            setattr(cls, name, original)
+        _saved.clear()
