@@ -53,13 +53,13 @@ from .tensor import Tensor
 _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
 
 
-def _unsupported_sharded() -> tuple:
+def _unsupported_sharded(fsdp2: bool) -> tuple:
     """The FSDP module classes a Budget cannot run, if FSDP was imported (no FSDP module can exist before):
-    FSDP1 always, FSDP2 where this torch lacks what sharded.py wraps."""
+    FSDP1 always, FSDP2 unless sharded.py's replacements were installed when the Budget opened (`fsdp2`)."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
     if fsdp is None:
         return ()
-    return (fsdp.FullyShardedDataParallel,) if sharded.supported() else (fsdp.FSDPModule, fsdp.FullyShardedDataParallel)
+    return (fsdp.FullyShardedDataParallel,) if fsdp2 else (fsdp.FSDPModule, fsdp.FullyShardedDataParallel)
 
 
 def _ddp_class():
@@ -90,10 +90,13 @@ class Bookkeeping:
         self._thread = threading.get_ident()  # module hooks are global: modules run by other threads are not ours
         self.sharded_depth = 0                 # > 0 inside FSDP2's own work (sharded.py)
         self.settle = None                     # Runtime.settle, set by the Budget: before FSDP2 frees a parameter
+        self._refused: tuple = ()              # FSDP module classes that cannot run inside this block
 
     def open(self) -> None:
         self._thread = threading.get_ident()
-        patches.open(self, [*sharded.replacements(), *_COPIES])
+        fsdp2 = sharded.replacements()
+        patches.open(self, [*fsdp2, *_COPIES])
+        self._refused = _unsupported_sharded(bool(fsdp2))  # module hooks run per module call: computed once
         if self._ddp is not None:
             self._handles = (_module.register_module_forward_pre_hook(self._pre),
                              _module.register_module_forward_hook(self._post, always_call=True))
@@ -114,7 +117,7 @@ class Bookkeeping:
             w.inner += 1
         elif isinstance(module, self._ddp) and hasattr(module, "reducer"):  # no reducer: nothing to keep apart
             self._windows.append(_Window(module))
-        elif isinstance(module, _unsupported_sharded()):
+        elif self._refused and isinstance(module, self._refused):
             raise BudgetUsageError(
                 f"{type(module).__name__} runs inside a Budget, which supports FSDP2 (fully_shard) only with the "
                 f"FSDP internals of torch 2.13 and 2.14 (sharded.py), and FSDP1 not at all: FSDP frees and refills "

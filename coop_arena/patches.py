@@ -23,16 +23,16 @@ def current():
 
 
 def open(bookkeeping, replacements) -> None:
-    """Register `bookkeeping` for this thread; the first open Budget replaces each (class, name, wrap) of
-    `replacements` by wrap(original)."""
+    """Register `bookkeeping` for this thread and replace each (class, name, wrap) of `replacements` that is not
+    replaced yet by wrap(original)."""
     with _lock:
         _open[threading.get_ident()] = bookkeeping
-        if _saved:
-            return
+        done = {(cls, name) for cls, name, _ in _saved}
         for cls, name, wrap in replacements:
-            original = cls.__dict__[name]
-            _saved.append((cls, name, original))
-            setattr(cls, name, wrap(original))
+            if (cls, name) not in done:
+                original = cls.__dict__[name]
+                _saved.append((cls, name, original))
+                setattr(cls, name, wrap(original))
 
 
 def close(bookkeeping) -> None:
