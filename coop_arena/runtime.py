@@ -64,16 +64,23 @@ class Runtime:
         [Relocation] in memory.py)."""
         self.arena.move(src, dst, nbytes)
 
-    def settle(self, tensors) -> None:
+    def settle(self, tensors, *, refilled: bool = False) -> None:
         """Make the block independent of the current values of `tensors` (outside the arena), which are about to be
         overwritten (Rule 5): of the storages computed from them (directly or through others), those a wrapper
         still uses are restored if evicted and made unevictable (lost, TensorLost on use, if they cannot all come
         back at once), and those nobody can reach any more are freed. Used before an optimizer step (optimizer.py)
-        and before any other write into a tensor from outside the arena."""
+        and before any other write into a tensor from outside the arena.
+
+        `refilled`: the tensors' storage is about to be freed and later refilled with the same values (FSDP's
+        reshard, sharded.py). The walk then stops at each storage a wrapper uses that was not written in place
+        since it was computed: it is kept, and the replays of what was computed from it stop there, so those
+        stay evictable (a storage written in place goes on: its old versions replay from the tensors). What
+        nobody holds on the way is freed once unreachable, as for a write."""
         readers = self.dispatch._ext_readers
         work = []
         for t in tensors:
             work.extend(r() for r in readers.pop(t.untyped_storage()._cdata, ()))
+        work = [s for s in work if s is not None]
         if not work:
             return
         with plain_dispatch():
@@ -82,34 +89,40 @@ class Runtime:
             tainted: dict = {}  # storages whose replay would read an old value, directly or through others
             while work:
                 s = work.pop()
-                if s is None or s.sid in tainted or s.state is State.FREED or s.payload.recipe is None:
+                if s.sid in tainted or s.state is State.FREED or s.payload.recipe is None:
                     continue
                 tainted[s.sid] = s
-                work.extend(_readers(s))
+                if not (refilled and s.payload.wrappers and not s.payload.mutations):
+                    work.extend(_readers(s))  # (refilled: the replays of its readers stop at it once kept)
             keep = sorted((s for s in tainted.values() if s.payload.wrappers), key=lambda s: s.sid)
-            remat = self.remat
-            try:  # all at once: a restore of one must not read another already made unevictable
-                held = remat.acquire(keep)
-            except (OutOfBudget, Thrashing, TensorLost) as e:  # as at the end of a block: what cannot come back is lost
-                held = []
-                for s in keep:
-                    if s.state is not State.RESIDENT:
-                        s.payload.lost = (f"storage {s.sid} was evicted and could not be restored before a write to a "
-                                          f"tensor outside the arena overwrote what it was computed from: {e}")
-                        s.payload.base_version = s.payload.version
-                        s.payload.recipe, s.payload.mutations = None, []
-            try:
-                for s in keep:
-                    if s.state is State.RESIDENT:
-                        remat.make_unevictable(s)
-                        self.counters.frozen += 1
-            finally:
-                remat.release(held)
+            self._keep(keep, "FSDP freed the parameter it was computed from" if refilled else
+                       "a write to a tensor outside the arena overwrote what it was computed from")
             for s in tainted.values():
                 if (s.state is not State.FREED and not s.payload.wrappers and not s.pins and s.payload.recipe is not None
                         and not _readers(s)):
                     lifetime.live.pop(s.sid, None)
                     lifetime.forget(s)
+
+    def _keep(self, keep: list, why: str) -> None:
+        """Restore the storages of `keep` if evicted and make them unevictable; those that cannot all come back at
+        once are lost (TensorLost on use, saying `why` they had to come back), as at the end of a block."""
+        remat = self.remat
+        try:  # all at once: a restore of one must not read another already made unevictable
+            held = remat.acquire(keep)
+        except (OutOfBudget, Thrashing, TensorLost) as e:
+            held = []
+            for s in keep:
+                if s.state is not State.RESIDENT:
+                    s.payload.lost = f"storage {s.sid} was evicted and could not be restored before {why}: {e}"
+                    s.payload.base_version = s.payload.version
+                    s.payload.recipe, s.payload.mutations = None, []
+        try:
+            for s in keep:
+                if s.state is State.RESIDENT:
+                    remat.make_unevictable(s)
+                    self.counters.frozen += 1
+        finally:
+            remat.release(held)
 
     def finish(self, failed: bool = False) -> None:
         self.lifetime.finish(self.remat, failed)

@@ -17,15 +17,20 @@ Approach: while a Budget is open, the methods of FSDP's parameter groups that do
   pre/post forward, pre/post backward, unshard, wait, reshard, finalize) and the root state's pre-forward run
   inside a bookkeeping window: an op in it that reads nothing from the arena runs on plain tensors (Rule 1);
   one that reads the arena (the module's own inputs) is the step's as usual. Before `free_unsharded_param`
-  frees a parameter, `Runtime.settle` makes the block independent of it: the storages computed from it are
-  restored if evicted and made unevictable (Rule 5). After the backward's all-gather refills it, new readers
-  are evictable again until the next reshard. The methods are replaced on their classes while a Budget is
-  open, for its thread only (patches.py), which reaches modules sharded before it.
-Limitations: the storages read directly from a parameter stay resident from its reshard to the block's end
-  (a linear layer's output; what is computed from them stays evictable), so under FSDP2 a Budget saves less
-  than under DDP. This is FSDP's private API of the installed torch; a torch without these methods gets a
-  BudgetUsageError when an FSDP module runs inside a Budget. FSDP1, mixed precision, CPU offload, HSDP,
-  `reshard_after_forward` as an int, and CUDA streams are not tested.
+  frees a parameter, `Runtime.settle(refilled=True)` makes the block independent of it: walking forward from
+  what read the parameter, the first storages a wrapper holds are restored if evicted and made unevictable,
+  and what is computed from them stays evictable, since its replays stop there (Rule 5). After the
+  backward's all-gather refills the parameter, new readers are evictable again until the next reshard. The
+  methods are replaced on their classes while a Budget is open, for its thread only (patches.py), which
+  reaches modules sharded before it.
+Limitations: the storages kept at a reshard (a block's first held activations: a linear layer's output that
+  an activation function saves, a LayerNorm's output) stay resident to the block's end, so FSDP2 reaches less
+  deep budgets than DDP (tests/test_distributed.py: 75 % of the peak for its residual MLP, where DDP trains
+  its models at 30 %). Keeping a copy of the unsharded parameter in the arena instead, and replaying from it,
+  would trade parameter bytes for those activations; not built. This is FSDP's private API of the installed
+  torch; a torch without these methods gets a BudgetUsageError when an FSDP module runs inside a Budget.
+  FSDP1 (which needs an accelerator), mixed precision, CPU offload, HSDP, `reshard_after_forward` as an int,
+  and CUDA streams are not tested.
 """
 
 from __future__ import annotations
@@ -93,6 +98,6 @@ def _settling(original):
         if bk is not None and bk.settle is not None:
             tensors = [*getattr(fsdp_param, "all_gather_outputs", ()),
                        *getattr(fsdp_param, "_unsharded_inner_tensors", ())]
-            bk.settle([t for t in tensors if t.untyped_storage().nbytes() > 0])
+            bk.settle([t for t in tensors if t.untyped_storage().nbytes() > 0], refilled=True)
         return original(fsdp_param, *args, **kwargs)
     return run
