@@ -26,7 +26,8 @@ Approach: while a Budget is open, the methods of FSDP's parameter groups that do
 Limitations: the storages kept at a reshard (a block's first held activations: a linear layer's output that
   an activation function saves, a LayerNorm's output) stay resident to the block's end, so FSDP2 reaches less
   deep budgets than DDP (tests/test_distributed.py: 75 % of the peak for its residual MLP, where DDP trains
-  its models at 30 %). Keeping a copy of the unsharded parameter in the arena instead, and replaying from it,
+  its models at 30 %; with `reshard_after_forward=False` nothing is kept before the backward, and it fits at
+  50 %). Keeping a copy of the unsharded parameter in the arena instead, and replaying from it,
   would trade parameter bytes for those activations; not built. This is FSDP's private API of the installed
   torch; a torch without these methods gets a BudgetUsageError when an FSDP module runs inside a Budget.
   FSDP1 (which needs an accelerator), mixed precision, CPU offload, HSDP, `reshard_after_forward` as an int,
