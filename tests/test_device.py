@@ -80,6 +80,20 @@ def test_training_under_cpu_0_is_bitwise_plain_pytorch():
     assert bitwise_equal(state(train("gpt")), state(model))
 
 
+def test_outputs_asked_for_on_another_device_are_made_there():
+    """`x.cpu()` or `zeros(..., device="cpu")` in a block on CUDA: an op whose `device=` is not the arena's returns
+    a plain tensor on that device, as without a Budget; here a CPU arena and meta stand in for CUDA and the CPU."""
+    budget = coop_arena.Budget(1 << 20, device="cpu")
+    x = torch.randn(4)
+    with budget:
+        y = x * 2
+        made = {"zeros": torch.zeros(3, device="meta"), "empty": torch.empty(3, device="meta"),
+                "full": torch.full((3,), 2.0, device="meta"), "to": y.to("meta")}
+        here = torch.zeros(3, device="cpu:0")
+    assert {k: (type(t), t.device.type) for k, t in made.items()} == dict.fromkeys(made, (torch.Tensor, "meta"))
+    assert made["to"].shape == (4,) and isinstance(here, coop_arena.Tensor) and torch.equal(here, torch.zeros(3))
+
+
 # --------------------------------------------------------------------------------------------------- moves
 def _memmove(buf: torch.Tensor, src: int, dst: int, n: int) -> torch.Tensor:
     ref = buf.clone().numpy()
