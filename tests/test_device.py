@@ -272,3 +272,26 @@ def test_gpu_check_measures_tiny_models_on_the_cpu(tmp_path):
     assert verdicts[:2] != ["n/a", "n/a"] and verdicts[2] == "n/a"  # no device memory counters on the CPU
     text = (tmp_path / "gpu_check.md").read_text()
     assert "## gpt2" in text and "## resnet50" in text and "| coop | 0.5 |" in text
+
+
+def test_gpu_check_runs_a_python_that_has_torch_but_not_this_package(tmp_path):
+    """`make gpu-check` runs whichever Python already has torch as it is, installing nothing: the check's child
+    processes import this checkout, coop_arena.kernels included (mapped to kernels/ as pyproject.toml does)."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    site = next(venv.glob("lib/python*/site-packages"))
+    # this environment's packages as plain paths: their .pth files (this package's editable install) do not run
+    (site / "torch_only.pth").write_text("\n".join(p for p in sys.path if p.endswith("site-packages")) + "\n")
+    python = str(venv / "bin" / "python")
+    probe = subprocess.run([python, "-c", "import torch, triton, coop_arena"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=120)
+    assert "No module named 'coop_arena'" in probe.stderr, probe.stderr[-2000:]
+    kernels = subprocess.run([python, "-c", f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import gpu_check; "
+                              f"gpu_check.use_this_checkout(); import coop_arena.kernels.copy as k; print(k.__file__)"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert kernels.stdout.strip() == str(ROOT / "kernels" / "copy.py"), kernels.stderr[-2000:]
+    done = subprocess.run([python, str(ROOT / "bench" / "gpu_check.py"), "--smoke", "--parts", "resnet50", "--out",
+                           str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    part = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]["resnet50"]
+    assert part["status"] == "ok" and [r["kind"] for r in part["records"]][:3] == ["model", "plain", "engine_peak"], part
