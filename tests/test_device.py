@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,28 @@ def test_outputs_asked_for_on_another_device_are_made_there():
         here = torch.zeros(3, device="cpu:0")
     assert {k: (type(t), t.device.type) for k, t in made.items()} == dict.fromkeys(made, (torch.Tensor, "meta"))
     assert made["to"].shape == (4,) and isinstance(here, coop_arena.Tensor) and torch.equal(here, torch.zeros(3))
+
+
+def test_replaced_library_methods_find_the_budget_in_an_autograd_engine_thread():
+    """On CUDA the autograd engine runs a backward (and FSDP2's backward hooks, sharded.py) on a thread of its own
+    per device, which inherits the dispatch modes of the thread that called backward: patches.current() must find
+    the Budget there as in its own thread. A thread that enters the Budget's mode stands in for the engine's."""
+    from coop_arena import patches
+    budget = coop_arena.Budget(1 << 20, device="cpu")
+    seen = {}
+
+    def engine_thread(mode):
+        with mode:
+            seen["with the mode"] = patches.current()
+        seen["without"] = patches.current()
+
+    with budget:
+        mine = patches.current()
+        worker = threading.Thread(target=engine_thread, args=(budget._mode,))
+        worker.start()
+        worker.join()
+    assert mine is budget._bookkeeping and seen == {"with the mode": mine, "without": None}
+    assert patches.current() is None
 
 
 # --------------------------------------------------------------------------------------------------- moves
