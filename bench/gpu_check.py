@@ -586,6 +586,8 @@ def summary(report: dict) -> str:
         note = p.get("reason") or p.get("note") or ""
         if "counts" in p:
             note = ", ".join(f"{v} {k}" for k, v in p["counts"].items()) + (f"; {note}" if note else "")
+            if p.get("skip_reasons"):
+                note += "; skipped: " + "; ".join(f"{n} x {r}" for r, n in p["skip_reasons"].items())
         secs = f"{p['seconds']:.0f}" if "seconds" in p else ""
         lines.append(f"| {name} | {p['status']} | {secs} | {note} |")
     pytest_part = report["parts"].get("pytest", {})
