@@ -95,6 +95,17 @@ def test_outputs_asked_for_on_another_device_are_made_there():
     assert made["to"].shape == (4,) and isinstance(here, coop_arena.Tensor) and torch.equal(here, torch.zeros(3))
 
 
+def test_which_device_arguments_are_another_device_than_a_cuda_arena(two_gpus):
+    """The CUDA branch of the check above, for an arena on cuda:1 while cuda:1 is current: `device="cuda"` is
+    the arena's device (what `torch.rand(n, device="cuda")` in a model means), cuda:0 and the CPU are not."""
+    from coop_arena.dispatch import Dispatch
+    d = Dispatch.__new__(Dispatch)
+    d.device = torch.device("cuda", 1)
+    verdicts = {str(x): d._elsewhere(x) for x in (None, torch.device("cuda"), torch.device("cuda", 1),
+                                                  torch.device("cuda", 0), torch.device("cpu"), torch.device("meta"))}
+    assert verdicts == {"None": False, "cuda": False, "cuda:1": False, "cuda:0": True, "cpu": True, "meta": True}
+
+
 def test_replaced_library_methods_find_the_budget_in_an_autograd_engine_thread():
     """On CUDA the autograd engine runs a backward (and FSDP2's backward hooks, sharded.py) on a thread of its own
     per device, which inherits the dispatch modes of the thread that called backward: patches.current() must find
