@@ -53,11 +53,12 @@ evaluate-quick: $(EVAL_VENV)/.installed
 	$(EVAL_PY) -m coop_arena evaluate --quick --jobs 2 --out bench/results/evaluation-quick
 
 # The GPU check (bench/gpu_check.py: the @pytest.mark.gpu layer, kernel bandwidth, GPT-2 and ResNet-50 under
-# Budgets; under 8 minutes; every part skipped with a reason where there is no GPU). It installs nothing from
-# the network where torch and triton are already installed: it runs .venv's Python if that imports them (with
-# CUDA, where nvidia-smi sees a GPU), else makes .venv-gpu with --system-site-packages from the first of
-# $(PYTHON), python3, python that does, and installs this package into it with --no-deps --no-index
-# --no-build-isolation. Only where no Python has torch does it fall back to .venv/.installed (a download).
+# Budgets; under 8 minutes; every part skipped with a reason where there is no GPU). It installs nothing where
+# torch and triton are already installed: it runs .venv's Python if that imports them (with CUDA, where
+# nvidia-smi sees a GPU), else the first of $(PYTHON), python3, python that does, as it is (gpu_check.py's
+# children import this checkout; no venv, whose --system-site-packages would hide a torch installed in another
+# venv, and no build, which needs setuptools and wheel). Only where no Python has torch does it fall back to
+# .venv/.installed (a download).
 HAS_GPU    := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
 GPU_VENV   := .venv-gpu
 GPU_PROBE  := import sys, torch, triton; sys.exit(0 if torch.cuda.is_available() or not $(HAS_GPU) else 1)
@@ -66,11 +67,7 @@ gpu-check:
 	if [ -x $(PY) ] && $(PY) -c "$(GPU_PROBE)" >/dev/null 2>&1; then py=$(PY); \
 	else for base in $(PYTHON) python3 python; do \
 		command -v $$base >/dev/null 2>&1 && $$base -c "$(GPU_PROBE)" >/dev/null 2>&1 || continue; \
-		test -x $(GPU_VENV)/bin/python || $$base -m venv --system-site-packages $(GPU_VENV) || exit 1; \
-		(cd / && $(CURDIR)/$(GPU_VENV)/bin/python -c "import coop_arena.kernels") >/dev/null 2>&1 || \
-			$(GPU_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-index \
-				--no-build-isolation -e . || exit 1; \
-		py=$(GPU_VENV)/bin/python; break; \
+		py=$$(command -v $$base); break; \
 	done; fi; \
 	if [ -z "$$py" ]; then $(MAKE) $(VENV)/.installed && py=$(PY); fi; \
 	echo "gpu-check: $$py (torch $$($$py -c 'import torch; print(torch.__version__)'))"; \

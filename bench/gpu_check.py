@@ -35,6 +35,8 @@ import argparse
 import contextlib
 import datetime
 import gc
+import importlib.abc
+import importlib.util
 import json
 import os
 import platform
@@ -62,6 +64,26 @@ STEPS = 3
 MAX_OVERHEAD = 10.0          # as `coop-arena evaluate` (coop_arena/evaluate.py, which needs rich and tqdm)
 CHILD_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}  # cuBLAS reads it at start; see the module docstring
 MIB = 1 << 20
+
+
+# ============================================================================================ the package
+class _KernelsFinder(importlib.abc.MetaPathFinder):
+    """`coop_arena.kernels` from kernels/, as pyproject.toml's package-dir maps it."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "coop_arena.kernels":
+            return None
+        return importlib.util.spec_from_file_location(name, ROOT / "kernels" / "__init__.py",
+                                                      submodule_search_locations=[str(ROOT / "kernels")])
+
+
+def use_this_checkout() -> None:
+    """Import coop_arena from this checkout in a child, installed or not: `make gpu-check` runs whichever Python
+    already has torch and triton, and installs nothing into it."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    if not any(isinstance(f, _KernelsFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _KernelsFinder())
 
 
 # ============================================================================================ models
@@ -334,6 +356,7 @@ def measure_kernels(deadline: float) -> None:
 
 
 def child(part: str, seconds: float, smoke: bool) -> None:
+    use_this_checkout()
     deadline = time.monotonic() + seconds
     torch.use_deterministic_algorithms(True, warn_only=True)
     device = "cpu" if smoke else "cuda"
@@ -386,7 +409,7 @@ def _junit(path: Path) -> dict:
 def run_pytest(seconds: float, env: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "tests"]
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--pytest", "-q", "-rs", "-m", "gpu", "tests"]
         try:
             import pytest_benchmark  # noqa: F401
             cmd += ["bench/test_kernels_bench.py", "--benchmark-json=bench/results/gpu_kernels.json"]
@@ -446,6 +469,11 @@ def environment() -> dict:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--pytest"]:  # the pytest part's child: pytest on this checkout
+        use_this_checkout()
+        import pytest
+        return int(pytest.main(argv[1:]))
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--seconds", type=float, default=TOTAL_SECONDS, help="time for every part together")
@@ -465,7 +493,7 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled kernels, not the interpreter
     env.update(CHILD_ENV)
-    report = {"command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+    report = {"command": " ".join([Path(sys.argv[0]).name] + argv),
               "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "environment": environment(), "smoke": args.smoke, "child_environment": CHILD_ENV,
               "limits": {"total_seconds": args.seconds, "parts": PARTS}, "parts": {}}
@@ -558,6 +586,8 @@ def summary(report: dict) -> str:
         note = p.get("reason") or p.get("note") or ""
         if "counts" in p:
             note = ", ".join(f"{v} {k}" for k, v in p["counts"].items()) + (f"; {note}" if note else "")
+            if p.get("skip_reasons"):
+                note += "; skipped: " + "; ".join(f"{n} x {r}" for r, n in p["skip_reasons"].items())
         secs = f"{p['seconds']:.0f}" if "seconds" in p else ""
         lines.append(f"| {name} | {p['status']} | {secs} | {note} |")
     pytest_part = report["parts"].get("pytest", {})

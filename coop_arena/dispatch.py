@@ -143,6 +143,9 @@ class Dispatch:
     # ---------------------------------------------------------------------------------------- functional
     def _run_functional(self, call: _Call, owner: dict):
         """See Note [Direct placement] in placement.py."""
+        if self._elsewhere(call.kwargs.get("device")):  # `x.cpu()`, `zeros(device="cpu")` in a block on CUDA
+            self._bind(call, owner)
+            return self._run_temporary(call, None)  # its outputs are on that device, returned as they are
         plan = placement.plan_for(call.func, call.op, call.args, call.kwargs, self.device.type)
         if plan is not None and plan.aliases:
             self._bind(call, owner)
@@ -153,6 +156,17 @@ class Dispatch:
             return self._run_decomposed(call)
         self._bind(call, owner)
         return self._run_temporary(call, plan)
+
+    def _elsewhere(self, device) -> bool:
+        """Whether an op's `device=` argument puts its outputs on another device than the arena's. A dry run on
+        meta keeps every output in its arena."""
+        if device is None or device == self.device or self.device.type == "meta":
+            return False
+        device = torch.device(device)
+        if device.type != self.device.type:
+            return True
+        index = torch.cuda.current_device() if device.type == "cuda" and device.index is None else device.index
+        return device.type == "cuda" and index != self.device.index
 
     def _run_decomposed(self, call: _Call):
         """Run the op's composite kernel with this Budget's mode active again, so each op it calls is placed,

@@ -1,4 +1,5 @@
-"""Methods of other libraries that a Budget replaces while it is open, for the thread that opened it.
+"""Methods of other libraries that a Budget replaces while it is open, for the thread that opened it (and the
+autograd engine's threads running its backward).
 
 Some work inside a block is not the step's and must not reach the arena, yet no dispatch mode can tell it
 apart from the step's own ops: it is recognised by the library method it runs in (FSDP2's hooks, sharded.py;
@@ -12,14 +13,25 @@ from __future__ import annotations
 
 import threading
 
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
 _lock = threading.Lock()
 _open: dict[int, object] = {}   # thread id -> the Bookkeeping of the Budget open in that thread
 _saved: list[tuple] = []        # (class, name, original) while replaced
 
 
 def current():
-    """The Bookkeeping of the Budget open in this thread, or None."""
-    return _open.get(threading.get_ident())
+    """The Bookkeeping of the Budget open in this thread, or None. An autograd engine thread (on CUDA a backward
+    runs on one per device, FSDP2's backward hooks with it) inherits the dispatch modes of the thread that called
+    backward: there it is the Budget whose dispatch mode is active."""
+    bk = _open.get(threading.get_ident())
+    if bk is not None or not _open:
+        return bk
+    for mode in _get_current_dispatch_mode_stack():
+        bk = getattr(getattr(mode, "runtime", None), "bookkeeping", None)
+        if bk is not None and any(bk is b for b in list(_open.values())):
+            return bk
+    return None
 
 
 def open(bookkeeping, replacements) -> None:

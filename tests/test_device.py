@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,53 @@ def test_training_under_cpu_0_is_bitwise_plain_pytorch():
     model = train("gpt", budget, check=lambda b: seen.append(b.stats))
     assert all(s.evictions > 0 and s.rematerializations > 0 for s in seen), seen
     assert bitwise_equal(state(train("gpt")), state(model))
+
+
+def test_outputs_asked_for_on_another_device_are_made_there():
+    """`x.cpu()` or `zeros(..., device="cpu")` in a block on CUDA: an op whose `device=` is not the arena's returns
+    a plain tensor on that device, as without a Budget; here a CPU arena and meta stand in for CUDA and the CPU."""
+    budget = coop_arena.Budget(1 << 20, device="cpu")
+    x = torch.randn(4)
+    with budget:
+        y = x * 2
+        made = {"zeros": torch.zeros(3, device="meta"), "empty": torch.empty(3, device="meta"),
+                "full": torch.full((3,), 2.0, device="meta"), "to": y.to("meta")}
+        here = torch.zeros(3, device="cpu:0")
+    assert {k: (type(t), t.device.type) for k, t in made.items()} == dict.fromkeys(made, (torch.Tensor, "meta"))
+    assert made["to"].shape == (4,) and isinstance(here, coop_arena.Tensor) and torch.equal(here, torch.zeros(3))
+
+
+def test_which_device_arguments_are_another_device_than_a_cuda_arena(two_gpus):
+    """The CUDA branch of the check above, for an arena on cuda:1 while cuda:1 is current: `device="cuda"` is
+    the arena's device (what `torch.rand(n, device="cuda")` in a model means), cuda:0 and the CPU are not."""
+    from coop_arena.dispatch import Dispatch
+    d = Dispatch.__new__(Dispatch)
+    d.device = torch.device("cuda", 1)
+    verdicts = {str(x): d._elsewhere(x) for x in (None, torch.device("cuda"), torch.device("cuda", 1),
+                                                  torch.device("cuda", 0), torch.device("cpu"), torch.device("meta"))}
+    assert verdicts == {"None": False, "cuda": False, "cuda:1": False, "cuda:0": True, "cpu": True, "meta": True}
+
+
+def test_replaced_library_methods_find_the_budget_in_an_autograd_engine_thread():
+    """On CUDA the autograd engine runs a backward (and FSDP2's backward hooks, sharded.py) on a thread of its own
+    per device, which inherits the dispatch modes of the thread that called backward: patches.current() must find
+    the Budget there as in its own thread. A thread that enters the Budget's mode stands in for the engine's."""
+    from coop_arena import patches
+    budget = coop_arena.Budget(1 << 20, device="cpu")
+    seen = {}
+
+    def engine_thread(mode):
+        with mode:
+            seen["with the mode"] = patches.current()
+        seen["without"] = patches.current()
+
+    with budget:
+        mine = patches.current()
+        worker = threading.Thread(target=engine_thread, args=(budget._mode,))
+        worker.start()
+        worker.join()
+    assert mine is budget._bookkeeping and seen == {"with the mode": mine, "without": None}
+    assert patches.current() is None
 
 
 # --------------------------------------------------------------------------------------------------- moves
@@ -258,3 +306,26 @@ def test_gpu_check_measures_tiny_models_on_the_cpu(tmp_path):
     assert verdicts[:2] != ["n/a", "n/a"] and verdicts[2] == "n/a"  # no device memory counters on the CPU
     text = (tmp_path / "gpu_check.md").read_text()
     assert "## gpt2" in text and "## resnet50" in text and "| coop | 0.5 |" in text
+
+
+def test_gpu_check_runs_a_python_that_has_torch_but_not_this_package(tmp_path):
+    """`make gpu-check` runs whichever Python already has torch as it is, installing nothing: the check's child
+    processes import this checkout, coop_arena.kernels included (mapped to kernels/ as pyproject.toml does)."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    site = next(venv.glob("lib/python*/site-packages"))
+    # this environment's packages as plain paths: their .pth files (this package's editable install) do not run
+    (site / "torch_only.pth").write_text("\n".join(p for p in sys.path if p.endswith("site-packages")) + "\n")
+    python = str(venv / "bin" / "python")
+    probe = subprocess.run([python, "-c", "import torch, triton, coop_arena"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=120)
+    assert "No module named 'coop_arena'" in probe.stderr, probe.stderr[-2000:]
+    kernels = subprocess.run([python, "-c", f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import gpu_check; "
+                              f"gpu_check.use_this_checkout(); import coop_arena.kernels.copy as k; print(k.__file__)"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert kernels.stdout.strip() == str(ROOT / "kernels" / "copy.py"), kernels.stderr[-2000:]
+    done = subprocess.run([python, str(ROOT / "bench" / "gpu_check.py"), "--smoke", "--parts", "resnet50", "--out",
+                           str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    part = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]["resnet50"]
+    assert part["status"] == "ok" and [r["kind"] for r in part["records"]][:3] == ["model", "plain", "engine_peak"], part
