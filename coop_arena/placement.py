@@ -90,8 +90,8 @@ def _key(leaves) -> tuple:
             out.append((x.dtype, tuple(x.size()), tuple(x.stride())))
         elif isinstance(x, list):
             out.append(tuple(x))
-        else:
-            out.append(x)
+        else:  # with its type: 2 == 2.0 == True, yet pow(int64, 2) is int64 and pow(int64, 2.0) float32
+            out.append((type(x), x))
     return tuple(out)
 
 
