@@ -373,6 +373,8 @@ class Dispatch:
                         targets.append(s)
                 else:  # See Rule 5: a write outside the arena is an effect; what read the old value is frozen
                     self._freeze_readers_of_external(v)
+        if targets:
+            self._check_not_resized(call)
         if not self.recomputable_inplace and targets:
             return self._run_write_cow(call, targets)
         for s in targets:  # See Rule 6
@@ -389,6 +391,25 @@ class Dispatch:
                 self.remat.make_unevictable(s)
         self._note_external_reads(call.recorded, targets)
         return self._results_of_write(call, out, call.inputs)
+
+    def _check_not_resized(self, call: _Call) -> None:
+        """PyTorch resizes an out= tensor of the wrong shape (with a warning). An arena view grown in place would
+        write past its storage into its neighbours': refused before the op runs. The shapes come from the op's plan
+        (its run on meta, which resizes the meta out= tensors as the real run would)."""
+        plan = placement.plan_for(call.func, call.op, call.args, call.kwargs, self.device.type)
+        if plan is None:
+            return
+        written = {n: v for sets, v in self._written(call, call.pargs, call.pkwargs) for n in sets}
+        for r, spec in zip(call.func._schema.returns, plan.outputs):
+            alias = r.alias_info
+            if spec is None or alias is None or not alias.is_write:
+                continue
+            v = next((written[n] for n in alias.before_set if n in written), None)
+            if isinstance(v, torch.Tensor) and self.arena.owns(v) and tuple(v.size()) != spec.size:
+                raise UnsupportedOp(call.func, f"its out= argument of shape {list(v.size())} would be resized to "
+                                               f"{list(spec.size)} in place, which a tensor in the arena cannot be; "
+                                               f"pass an out= tensor of shape {list(spec.size)}, or call the op "
+                                               f"without out=")
 
     def _results_of_write(self, call: _Call, out, inputs):
         """An output aliasing a written argument is that argument's original object (autograd expects `self`)."""

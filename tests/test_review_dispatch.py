@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import coop_arena
@@ -21,3 +22,20 @@ def test_an_int_scalar_and_a_float_scalar_give_their_own_output_dtypes():
         want = torch.pow(x, exponent)
         got = _inside(lambda: torch.pow(x, exponent))
         assert got.dtype == want.dtype and torch.equal(got, want), (exponent, got, want)
+
+
+def test_an_out_argument_of_the_wrong_shape_is_refused_before_it_overwrites_its_neighbours():
+    """PyTorch resizes an out= tensor of the wrong shape (with a warning); an arena view grown in place would write
+    past its storage into the tensors placed after it. It is refused before the op runs, and the block goes on."""
+    budget = coop_arena.Budget(1 << 20, device="cpu")
+    with budget:
+        a = torch.ones(64, 64) * 2
+        out = torch.empty(2, 2)
+        neighbours = [a * 3 for _ in range(4)]
+        with pytest.raises(coop_arena.UnsupportedOp, match=r"out= argument.*\[2, 2\].*\[64, 64\]"):
+            torch.mm(a, a, out=out)
+        budget.check_invariants()
+        assert out.shape == (2, 2) and all(torch.equal(n, torch.full((64, 64), 6.0)) for n in neighbours)
+        right = torch.empty(64, 64)
+        torch.mm(a, a, out=right)  # the right shape is written in place, as before
+        assert torch.equal(right, torch.full((64, 64), 256.0))
