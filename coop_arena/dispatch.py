@@ -43,6 +43,11 @@ aten = torch.ops.aten
 _UNMARKED_WRITES: dict = {}
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and its clone `b` hold the same bytes (torch.equal finds a NaN unequal to itself)."""
+    return torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+
+
 class _Call:
     """One op call in progress: its arguments as given, as plain tensors, and as recorded for a recipe."""
 
@@ -212,7 +217,7 @@ class Dispatch:
             self._account(plan.cost)
             if probe is not None:
                 written = key[0][key[1]] = frozenset(
-                    pos for pos, t, v, before in probe if t._version != v or not torch.equal(t, before))
+                    pos for pos, t, v, before in probe if t._version != v or not _same_bits(t, before))
             rargs, rkwargs = ops.unflatten(call.recorded, call.spec)
             recipe = Recipe.make(func, rargs, rkwargs, rng, plan.cost, uninitialized=call.op.uninitialized,
                                  grad_mode=torch.is_grad_enabled(), direct=plan)
@@ -264,7 +269,7 @@ class Dispatch:
         self.memory.may_relocate = True  # the op has run: its inputs' views are dead, they may move
         if probe is not None:
             written = key[0][key[1]] = frozenset(
-                pos for pos, t, v, before in probe if t._version != v or not torch.equal(t, before))
+                pos for pos, t, v, before in probe if t._version != v or not _same_bits(t, before))
         rargs, rkwargs = ops.unflatten(call.recorded, call.spec)
         recipe = Recipe.make(func, rargs, rkwargs, rng, cost, uninitialized=call.op.uninitialized,
                              grad_mode=torch.is_grad_enabled())
