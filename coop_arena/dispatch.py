@@ -149,6 +149,9 @@ class Dispatch:
     def _run_functional(self, call: _Call, owner: dict):
         """See Note [Direct placement] in placement.py."""
         plan = placement.plan_for(call.func, call.op, call.args, call.kwargs, self.device.type)
+        if self._elsewhere(call.kwargs.get("device")):  # made for another device: it stays there, outside the arena
+            self._bind(call, owner)
+            return self._run_temporary(call, plan)
         if plan is not None and plan.aliases:
             self._bind(call, owner)
             return self._run_view(call)
@@ -158,6 +161,14 @@ class Dispatch:
             return self._run_decomposed(call)
         self._bind(call, owner)
         return self._run_temporary(call, plan)
+
+    def _elsewhere(self, device) -> bool:
+        """Whether an op's `device` argument names another device than the arena's (an index left out names the
+        current one; a CPU's index names the CPU)."""
+        if device is None:
+            return False
+        device, mine = torch.device(device), self.device
+        return device.type != mine.type or (mine.index is not None and device.index not in (None, mine.index))
 
     def _run_decomposed(self, call: _Call):
         """Run the op's composite kernel with this Budget's mode active again, so each op it calls is placed,

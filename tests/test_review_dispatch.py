@@ -54,3 +54,18 @@ def test_a_nan_in_an_input_is_not_taken_for_a_write_into_it():
         z = torch.where(x.isnan(), 0.0, x).tanh()
         (y * z).sum().backward()
     assert budget.stats.unevictable_bytes == 0 and budget.stats.frozen == 0, budget.stats
+
+
+def test_a_tensor_made_for_another_device_is_made_there_outside_the_arena():
+    """A factory op or a copy asked for another device than the arena's (`torch.zeros(n, device="meta")` in a CPU
+    block, `t.cpu()` in a CUDA one) was placed in the arena and came back on the arena's device."""
+    budget = coop_arena.Budget(1 << 20, device="cpu")
+    with budget:
+        a = torch.ones(64, 64) * 2
+        made = [a.to("meta"), torch.zeros(3, device="meta"), torch.empty(1 << 30, device="meta"),
+                torch.full((2,), 1.0, device="meta"), torch.ones_like(a, device="meta"),
+                torch.arange(3, device="meta")]
+        assert [t.device.type for t in made] == ["meta"] * len(made)
+        assert not any(isinstance(t, coop_arena.Tensor) for t in made)
+        assert budget.memory.used_bytes == budget.memory.table.round_up(a.nbytes)
+        budget.check_invariants()
