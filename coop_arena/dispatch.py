@@ -34,7 +34,7 @@ from .cost import op_cost
 from .errors import BudgetUsageError, UnsupportedOp, _internal_assert
 from .recipe import ArgRef, Data, Recipe, capture_rng, dead_ref, plain_dispatch
 from .storage import Storage
-from .tensor import Tensor
+from .tensor import Tensor, with_bits
 
 aten = torch.ops.aten
 
@@ -45,7 +45,9 @@ _UNMARKED_WRITES: dict = {}
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether `a` and its clone `b` hold the same bytes (torch.equal finds a NaN unequal to itself)."""
-    return torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+    def raw(t):
+        return t.resolve_conj().resolve_neg().contiguous().view(-1).view(torch.uint8)
+    return torch.equal(raw(a), raw(b))
 
 
 class _Call:
@@ -345,7 +347,8 @@ class Dispatch:
         s = self._input_holding(o, inputs, func, "returned a view of")
         rel = o.storage_offset() * o.element_size() - s.offset
         _internal_assert(rel % o.element_size() == 0, f"{func}: view offset {rel} not a multiple of its item size")
-        return self.lifetime.wrap(s, o.dtype, o.size(), o.stride(), rel // o.element_size())
+        return with_bits(self.lifetime.wrap(s, o.dtype, o.size(), o.stride(), rel // o.element_size()), o.is_conj(),
+                         o.is_neg())
 
     def _run_inplace_view(self, func, args, kwargs):
         """An op that changes a tensor's shape in place (unsqueeze_, as_strided_): the new metadata is computed
@@ -459,8 +462,8 @@ class Dispatch:
         new = self._clone_storage(old, call.func)
         for i, a in enumerate(call.recorded):  # the op now reads and writes the copy
             if isinstance(a, ArgRef) and a.storage is old:
-                call.recorded[i] = ArgRef(new, 0, a.dtype, a.size, a.stride, a.offset)
-                call.plain[i] = self.arena.view(new.offset, a.dtype, a.size, a.stride, a.offset)
+                call.recorded[i] = ArgRef(new, 0, a.dtype, a.size, a.stride, a.offset, a.conj, a.neg)
+                call.plain[i] = with_bits(self.arena.view(new.offset, a.dtype, a.size, a.stride, a.offset), a.conj, a.neg)
         call.pargs, call.pkwargs = ops.unflatten(call.plain, call.spec)
         self.memory.pin(new)
         try:
@@ -520,9 +523,9 @@ class Dispatch:
         offset = x.storage_offset()
         if not isinstance(x, Tensor):  # a raw view: its offset counts from the arena's start
             offset -= s.offset // x.element_size()
-        size, stride = tuple(x.size()), tuple(x.stride())
-        return (self.arena.view(s.offset, x.dtype, size, stride, offset),
-                ArgRef(s, s.payload.version, x.dtype, size, stride, offset))
+        size, stride, conj, neg = tuple(x.size()), tuple(x.stride()), x.is_conj(), x.is_neg()
+        return (with_bits(self.arena.view(s.offset, x.dtype, size, stride, offset), conj, neg),
+                ArgRef(s, s.payload.version, x.dtype, size, stride, offset, conj, neg))
 
     def _storage_at(self, t: torch.Tensor, func) -> Storage:
         """The resident storage holding a raw arena view's first byte."""

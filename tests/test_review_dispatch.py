@@ -69,3 +69,35 @@ def test_a_tensor_made_for_another_device_is_made_there_outside_the_arena():
         assert not any(isinstance(t, coop_arena.Tensor) for t in made)
         assert budget.memory.used_bytes == budget.memory.table.round_up(a.nbytes)
         budget.check_invariants()
+
+
+def _complex_step(w, v):
+    a = (w @ v) * 1
+    b = a @ v.conj()                       # mm reads a conjugate view as it is (no copy first)
+    c = torch._neg_view(b) @ a.conj()
+    d = (c * a).conj()
+    loss = torch.view_as_real((d.conj() * 2 + b) * a).pow(2).sum()  # complex mul's backward reads conj views
+    loss.backward()
+    return d
+
+
+def test_conjugate_and_negative_views_keep_their_bits_through_eviction_and_exit():
+    """conj() and _neg_view() give views whose bytes mean their conjugate or negation (a bit on the tensor). The
+    wrappers, the arena views and the recipes dropped the bit: c.conj() was c, and complex gradients were wrong."""
+    from test_exactness import EvictAll
+
+    def params():
+        torch.manual_seed(0)
+        return [torch.randn(8, 8, dtype=torch.complex64, requires_grad=True) for _ in range(2)]
+
+    ref = params()
+    want = _complex_step(*ref).detach()
+    for policy in ("coop", "dtr", "dte"):
+        got = params()
+        budget = coop_arena.Budget(1 << 20, device="cpu", policy=policy)
+        with EvictAll(budget):
+            d = _complex_step(*got)
+            assert d.is_conj() and torch.equal(d.as_plain(), want)
+        assert budget.stats.rematerializations > 20
+        assert d.is_conj() and torch.equal(d.detach(), want)
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(ref, got)), policy
