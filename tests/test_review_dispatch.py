@@ -101,3 +101,16 @@ def test_conjugate_and_negative_views_keep_their_bits_through_eviction_and_exit(
         assert budget.stats.rematerializations > 20
         assert d.is_conj() and torch.equal(d.detach(), want)
         assert all(torch.equal(p.grad, q.grad) for p, q in zip(ref, got)), policy
+
+
+@pytest.mark.xfail(strict=True, reason="batch_sizes of a packed sequence is placed in a CPU arena, and the packed "
+                                       "RNN's composite C++ kernel reads its data pointer directly, which a wrapper "
+                                       "does not have (README, Known limits)")
+def test_packed_sequences_run_in_a_cpu_block():
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(8, 16, batch_first=True)
+    x = torch.randn(3, 7, 8)
+    with coop_arena.Budget(1 << 22, device="cpu"):
+        packed = torch.nn.utils.rnn.pack_padded_sequence(x * 1, torch.tensor([7, 5, 2]), batch_first=True)
+        out, _ = torch.nn.utils.rnn.pad_packed_sequence(lstm(packed)[0], batch_first=True)
+        out.sum().backward()
