@@ -72,7 +72,8 @@ _WRITES_IN_PLACE: dict = {}
 def plan_for(func, op, args, kwargs, device_type: str) -> OpPlan | None:
     """The plan of a functional op called with plain `args`/`kwargs`, or None when it cannot run on meta."""
     leaves, spec = ops.flatten(args, kwargs)
-    key = (func, device_type, _key(leaves), tuple(spec[0]), tuple(spec[1]))
+    # factory ops reach aten with dtype=None and take the default dtype when they run
+    key = (func, device_type, torch.get_default_dtype(), _key(leaves), tuple(spec[0]), tuple(spec[1]))
     try:
         return _PLANS[key]
     except KeyError:

@@ -114,3 +114,17 @@ def test_packed_sequences_run_in_a_cpu_block():
         packed = torch.nn.utils.rnn.pack_padded_sequence(x * 1, torch.tensor([7, 5, 2]), batch_first=True)
         out, _ = torch.nn.utils.rnn.pad_packed_sequence(lstm(packed)[0], batch_first=True)
         out.sum().backward()
+
+
+def test_factory_ops_follow_the_default_dtype_set_between_blocks():
+    """torch.empty(n) reaches aten with dtype=None and takes the default dtype when it runs: the plan cached under
+    float32 gave float32 outputs after torch.set_default_dtype(torch.float64)."""
+    budget = coop_arena.Budget(1 << 20, device="cpu")
+    try:
+        for dtype in (torch.float32, torch.float64, torch.float32):
+            torch.set_default_dtype(dtype)
+            with budget:
+                made = [torch.empty(5, 3), torch.zeros(5, 3), torch.ones(5, 3), torch.full((5, 3), 1.5)]
+                assert [t.dtype for t in made] == [dtype] * len(made)
+    finally:
+        torch.set_default_dtype(torch.float32)
