@@ -514,8 +514,15 @@ class Dispatch:
             if isinstance(x, Tensor):
                 if x._cell.storage.payload.runtime is self.runtime:
                     owner[i] = x._cell.storage
-            elif isinstance(x, torch.Tensor) and self.arena.owns(x):
-                owner[i] = self._storage_at(x, func)
+            elif isinstance(x, torch.Tensor):
+                if self.arena.owns(x):
+                    owner[i] = self._storage_at(x, func)
+                elif x.layout == torch.strided and x.data_ptr() == 0 and x.numel() and x.device.type != "meta":
+                    raise BudgetUsageError(  # reading its bytes would crash the interpreter
+                        f"{func} got a tensor of shape {list(x.shape)} with no memory: a tensor from before the "
+                        f"Budget whose data was replaced by a tensor made inside it (`p.data = t`, or module.to(), "
+                        f".double(), .half() inside the block), which gives it the wrapper's memory, none. Its "
+                        f"bytes are gone; convert or reassign parameters outside the block")
         return owner
 
     def arena_arg(self, x, s: Storage):

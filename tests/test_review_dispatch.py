@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -128,3 +131,26 @@ def test_factory_ops_follow_the_default_dtype_set_between_blocks():
                 assert [t.dtype for t in made] == [dtype] * len(made)
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+_DATA_REPLACED = """
+import torch, coop_arena
+lin = torch.nn.Linear(4, 3)
+budget = coop_arena.Budget(1 << 20, device="cpu")
+try:
+    with budget:
+        lin.double()  # param.data = (a tensor made in the arena)
+        lin(torch.randn(2, 4, dtype=torch.float64))
+except coop_arena.BudgetUsageError as e:
+    print("BudgetUsageError:", e)
+with budget:  # still usable
+    print("usable", (torch.ones(3) * 2).sum().item())
+"""
+
+
+def test_a_tensor_whose_data_was_replaced_inside_the_block_gets_a_typed_error_not_a_crash():
+    """`p.data = t` (and module.to(dtype), which does it) with `t` made inside the block gives `p` the wrapper's
+    storage, which is none: the next op that looked at `p` crashed the interpreter. (A subprocess: it segfaulted.)"""
+    done = subprocess.run([sys.executable, "-c", _DATA_REPLACED], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "BudgetUsageError:" in done.stdout and "outside the block" in done.stdout and "usable 6.0" in done.stdout
