@@ -89,7 +89,8 @@ class Dispatch:
         try:
             owner = self.owners(leaves, func)
             mine = {s.sid: s for s in owner.values()}
-            if not mine and self.bookkeeping is not None and self.bookkeeping.active():  # See bookkeeping.py
+            if not mine and ((self.bookkeeping is not None and self.bookkeeping.active())  # See bookkeeping.py
+                             or self._off_arena(leaves, kwargs)):
                 written = [v for _, value in self._written(call, args, kwargs)
                            for v in (value if isinstance(value, (list, tuple)) else [value]) if v is not None]
                 return run_outside(self, func, args, kwargs, written)
@@ -163,6 +164,14 @@ class Dispatch:
             return self._run_decomposed(call)
         self._bind(call, owner)
         return self._run_temporary(call, plan)
+
+    def _off_arena(self, leaves, kwargs) -> bool:
+        """Whether every tensor an op reads lives on another device than the arena's, and it asks for none (a CPU
+        constant or index computed on in a CUDA block): it runs there, as without a Budget."""
+        if kwargs.get("device") is not None and not self._elsewhere(kwargs["device"]):
+            return False
+        devices = [x.device for x in leaves if isinstance(x, torch.Tensor)]
+        return bool(devices) and all(d != self.device for d in devices)
 
     def _elsewhere(self, device) -> bool:
         """Whether an op's `device` argument names another device than the arena's (an index left out names the

@@ -154,3 +154,21 @@ def test_a_tensor_whose_data_was_replaced_inside_the_block_gets_a_typed_error_no
     done = subprocess.run([sys.executable, "-c", _DATA_REPLACED], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "BudgetUsageError:" in done.stdout and "outside the block" in done.stdout and "usable 6.0" in done.stdout
+
+
+def test_ops_on_tensors_of_another_device_alone_run_there():
+    """A CPU tensor made inside a block on another device (torch.tensor([...]) and what is computed from it alone)
+    is what PyTorch makes: it raised BudgetUsageError at torch.tensor itself (its lift_fresh). Run on `meta` here,
+    as CPU tensors in a CUDA block."""
+    budget = coop_arena.Budget(1 << 20, device="meta")
+    with budget:
+        y = torch.ones(4, 3, device="meta") * 2
+        idx = torch.tensor([2, 0, 1])
+        order = idx.argsort() * 1
+        total = torch.tensor(0.0)
+        total += 1.5
+        assert y.device.type == "meta" and isinstance(y, coop_arena.Tensor)
+        assert not isinstance(order, coop_arena.Tensor) and torch.equal(order, torch.tensor([1, 2, 0]))
+        assert not isinstance(total, coop_arena.Tensor) and total.item() == 1.5
+        with pytest.raises(coop_arena.BudgetUsageError, match="on cpu"):  # mixed with the arena's: as before
+            y @ torch.ones(3, 3)
