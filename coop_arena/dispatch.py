@@ -530,8 +530,8 @@ class Dispatch:
                     raise BudgetUsageError(  # reading its bytes would crash the interpreter
                         f"{func} got a tensor of shape {list(x.shape)} with no memory: a tensor from before the "
                         f"Budget whose data was replaced by a tensor made inside it (`p.data = t`, or module.to(), "
-                        f".double(), .half() inside the block), which gives it the wrapper's memory, none. Its "
-                        f"bytes are gone; convert or reassign parameters outside the block")
+                        f".double(), .half(), a lazy module's first call inside the block), which gives it the "
+                        f"wrapper's memory, none. Its bytes are gone; convert or reassign parameters outside the block")
         return owner
 
     def arena_arg(self, x, s: Storage):
