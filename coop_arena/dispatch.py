@@ -472,7 +472,8 @@ class Dispatch:
         for i, a in enumerate(call.recorded):  # the op now reads and writes the copy
             if isinstance(a, ArgRef) and a.storage is old:
                 call.recorded[i] = ArgRef(new, 0, a.dtype, a.size, a.stride, a.offset, a.conj, a.neg)
-                call.plain[i] = with_bits(self.arena.view(new.offset, a.dtype, a.size, a.stride, a.offset), a.conj, a.neg)
+                view = self.arena.view(new.offset, a.dtype, a.size, a.stride, a.offset)
+                call.plain[i] = with_bits(view, a.conj, a.neg)
         call.pargs, call.pkwargs = ops.unflatten(call.plain, call.spec)
         self.memory.pin(new)
         try:
