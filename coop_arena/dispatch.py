@@ -335,8 +335,12 @@ class Dispatch:
             t, plain = call.args[0], call.pargs[0]
             rest = list(call.pargs[1:])
             given = rest[2] if len(rest) > 2 else call.pkwargs.get("storage_offset")
-            shift = plain.storage_offset() - t.storage_offset()
-            offset = (t.storage_offset() if given is None else given) + shift
+            given = t.storage_offset() if given is None else given
+            with plain_dispatch():  # PyTorch's bounds check against the tensor's storage, not the whole arena (on
+                # meta only the in-place as_strided_ checks)
+                torch.empty(t._cell.storage.nbytes // t.element_size(), dtype=t.dtype, device="meta").as_strided_(
+                    rest[0], rest[1], given)
+            offset = given + plain.storage_offset() - t.storage_offset()
             out = aten.as_strided.default(plain, rest[0], rest[1], offset)
             return self._wrap_alias(out, call.inputs, call.func)
         out = call.func(*call.pargs, **call.pkwargs)

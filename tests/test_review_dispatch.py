@@ -172,3 +172,19 @@ def test_ops_on_tensors_of_another_device_alone_run_there():
         assert not isinstance(total, coop_arena.Tensor) and total.item() == 1.5
         with pytest.raises(coop_arena.BudgetUsageError, match="on cpu"):  # mixed with the arena's: as before
             y @ torch.ones(3, 3)
+
+
+def test_as_strided_past_its_storage_raises_as_in_pytorch():
+    """as_strided ran on a view whose storage is the whole arena, so a view past the tensor's storage was accepted
+    and read its neighbours' bytes (and the block's exit then failed to give it its copy). PyTorch's own bounds
+    check now runs against the tensor's storage."""
+    budget = coop_arena.Budget(1 << 20, device="cpu")
+    with budget:
+        a = torch.arange(10.0) * 1
+        neighbour = torch.full((10,), 7.0)
+        for size, offset in (((200,), 0), ((2,), 100), ((4,), 7)):
+            with pytest.raises(RuntimeError, match="out of bounds"):
+                a.as_strided(size, (1,), offset)
+        assert torch.equal(a[2:].as_strided((3,), (2,), 1), torch.tensor([1.0, 3.0, 5.0]))
+        assert torch.equal(a[2:].as_strided((3,), (2,)), torch.tensor([2.0, 4.0, 6.0]))
+    assert torch.equal(neighbour, torch.full((10,), 7.0))
