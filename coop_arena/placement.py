@@ -227,24 +227,29 @@ def out_variant(func):
 
 
 class _Made(TorchDispatchMode):
-    """Records the tensors the ops called under it return."""
+    """Records the tensors the ops called under it return (on meta), and whether any is made elsewhere."""
 
     def __init__(self):
         super().__init__()
         self.made: dict = {}  # id -> shape it was made with
+        self.seen: list = []  # the tensors themselves: an id stays theirs while the probe runs
+        self.off_meta = False  # some op made a tensor off meta: the kernel computes on the host (it reads the data)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for o in (out if isinstance(out, (tuple, list)) else [out]):
             if isinstance(o, torch.Tensor) and id(o) not in self.made:
                 self.made[id(o)] = tuple(o.shape)
+                self.seen.append(o)
+                self.off_meta = self.off_meta or o.device != _META
         return out
 
 
 def _parts_make_outputs(func, device_type: str, margs, mkwargs) -> bool:
     """True when every tensor a composite kernel returns is made, at its final shape, by an op it calls through
     the dispatcher (so the Budget places it), checked on meta. arange's kernel makes an empty tensor and resizes
-    it: not so."""
+    it: not so. Nor a kernel that makes tensors off meta (repeat builds its permutation in CPU tensors and reads
+    their data by pointer, which a wrapper has none of)."""
     probe = _Made()
     try:
         with torch.utils._python_dispatch._disable_current_modes(), probe:
@@ -252,7 +257,8 @@ def _parts_make_outputs(func, device_type: str, margs, mkwargs) -> bool:
     except Exception:
         return False
     outs = out if isinstance(out, (tuple, list)) else [out]
-    return all(probe.made.get(id(o)) == tuple(o.shape) for o in outs if isinstance(o, torch.Tensor))
+    return not probe.off_meta and all(probe.made.get(id(o)) == tuple(o.shape)
+                                      for o in outs if isinstance(o, torch.Tensor))
 
 
 class _Probe(TorchDispatchMode):

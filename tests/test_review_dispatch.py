@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 
@@ -188,3 +189,25 @@ def test_as_strided_past_its_storage_raises_as_in_pytorch():
         assert torch.equal(a[2:].as_strided((3,), (2,), 1), torch.tensor([1.0, 3.0, 5.0]))
         assert torch.equal(a[2:].as_strided((3,), (2,)), torch.tensor([2.0, 4.0, 6.0]))
     assert torch.equal(neighbour, torch.full((10,), 7.0))
+
+
+@pytest.mark.parametrize("rows", [2, 3, 5, 6, 7, 9])
+def test_a_composite_kernel_that_computes_on_host_tensors_runs_whole(rows):
+    """repeat's composite kernel builds its permutation in CPU tensors (arange, cat) and reads their data by pointer.
+    Run as its parts, those tensors were arena wrappers with no data: "data is not allocated yet". Whether it ran as
+    its parts also depended on object ids reused during the probe (the probe kept no reference to what it saw)."""
+    x = torch.randn(rows * 4)
+    want = x.view(rows, 4).repeat(2, 3)
+    with coop_arena.Budget(1 << 20, device="cpu"):
+        got = x.view(rows, 4).repeat(2, 3)
+        assert torch.equal(got, want)
+    y = torch.randn(2, rows, 12)
+    runs = []
+    for budget in (None, coop_arena.Budget(1 << 20, device="cpu")):  # InstanceNorm repeats its running statistics
+        torch.manual_seed(0)
+        norm = torch.nn.InstanceNorm1d(rows, affine=True, track_running_stats=True)
+        with budget if budget is not None else contextlib.nullcontext():
+            out = norm(y)
+            out.pow(2).sum().backward()
+        runs.append([out.detach(), norm.weight.grad, norm.bias.grad, norm.running_mean, norm.running_var])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
