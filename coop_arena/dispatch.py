@@ -50,6 +50,10 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(raw(a), raw(b))
 
 
+class _Grows(Exception):
+    """An out= kernel tried to resize a view whose storage cannot grow (Dispatch._fixed_view)."""
+
+
 class _Call:
     """One op call in progress: its arguments as given, as plain tensors, and as recorded for a recipe."""
 
@@ -159,7 +163,10 @@ class Dispatch:
             self._bind(call, owner)
             return self._run_view(call)
         if plan is not None and (plan.out_op is not None or call.op.uninitialized):
-            return self._run_direct(call, owner, plan)
+            try:
+                return self._run_direct(call, owner, plan)
+            except _Grows:  # its out= variant resizes its outputs on the way: see Note [Direct placement]
+                plan = placement.without_out(call.func, call.args, call.kwargs, self.device.type, plan)
         if plan is not None and plan.decomposes and self.runtime.mode is not None:
             return self._run_decomposed(call)
         self._bind(call, owner)
@@ -230,11 +237,20 @@ class Dispatch:
             probe = None
             if written is None:  # first call of this op and configuration: look for writes the schema hides
                 probe = [(pos, t, t._version, t.clone()) for pos, t in externals]
-            views = [self.arena.view(s.offset, o.dtype, o.size, o.stride, 0) if s is not None
-                     else torch.empty(o.size, dtype=o.dtype, device=self.device) for s, o in zip(placed, plan.outputs)]
+            guard = plan.out_op is not None and not plan.checked and self.device.type != "meta"
+            views = [(self._fixed_view if guard else self.arena.view)(s.offset, o.dtype, o.size, o.stride, 0)
+                     if s is not None else torch.empty(o.size, dtype=o.dtype, device=self.device)
+                     for s, o in zip(placed, plan.outputs)]
             rng = capture_rng(self.device, call.op.random, call.pkwargs)
             if plan.out_op is not None:  # else uninitialized memory (the empty family): nothing to write
-                plan.out_op(*call.pargs, **call.pkwargs, **dict(zip(plan.out_names, views)))
+                try:
+                    plan.out_op(*call.pargs, **call.pkwargs, **dict(zip(plan.out_names, views)))
+                except RuntimeError as e:  # PyTorch's message when a storage that cannot grow is resized
+                    if guard and "not resizable" in str(e):
+                        raise _Grows from e
+                    raise
+                if guard:
+                    plan.checked.append(True)
             memory.may_relocate = True
             self._account(plan.cost)
             if probe is not None:
@@ -266,6 +282,14 @@ class Dispatch:
         placed = [s for s in placed if s is not None]
         self._placed(call, placed)
         return tuple(results) if len(plan.outputs) > 1 else results[0]
+
+    def _fixed_view(self, byte_offset: int, dtype, size, stride, storage_offset: int) -> torch.Tensor:
+        """An arena view like Arena.view, over a storage of its own that is exactly its range and cannot grow:
+        an out= kernel that resizes it raises before writing (Note [Direct placement])."""
+        nbytes = placement.span_bytes(size, stride, dtype.itemsize)
+        base = self.arena.bytes(byte_offset, nbytes)
+        storage = torch._C._construct_storage_from_data_pointer(base.data_ptr(), self.device, nbytes)
+        return torch.empty(0, dtype=dtype, device=self.device).set_(storage, storage_offset, size, stride)
 
     def _placed(self, call: _Call, placed) -> None:
         for s in placed:

@@ -22,6 +22,11 @@ Approach:
   - Otherwise (no out= variant, or one that computes into a temporary and copies: convolution, layer norm,
     dropout, embedding_dense_backward) the op runs into temporaries that are copied in and counted
     (stats.temporary_bytes, temporary_peak).
+  - Some out= kernels resize `out` on the way (huber_loss.out and binary_cross_entropy.out with a reduction compute
+    the elementwise loss into it first, then shrink it to the reduced shape): on an arena view that would write
+    past the output's range. The first call of a configuration on a device with memory therefore writes into
+    views whose storage is exactly the outputs' ranges and cannot grow; if the kernel tries, nothing has been
+    written, the plan drops its out= variant (`without_out`) and the op takes the temporary path.
 Limitations: ops whose output shape depends on data (nonzero, masked_select) cannot run on `meta`: they take the
   temporary path and pay their cost model's call each time. A dry run on `meta` takes the CPU's choices, so its
   statistics match a CPU run.
@@ -29,6 +34,7 @@ Limitations: ops whose output shape depends on data (nonzero, masked_select) can
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -61,6 +67,8 @@ class OpPlan:
     cost: float           # the op's analytic cost (cost.py)
     hidden: dict = field(default_factory=dict)  # external argument positions -> those it writes although its
                                                 # schema does not say so (dispatch.py, Rule 5); filled there
+    checked: list = field(default_factory=list)  # [True] once a run showed its out= variant keeps its outputs'
+                                                 # ranges (dispatch.py, Note [Direct placement]); filled there
 
 
 _PLANS: dict = {}
@@ -81,6 +89,17 @@ def plan_for(func, op, args, kwargs, device_type: str) -> OpPlan | None:
     except TypeError:  # an unhashable argument: no cache for this call
         return _make_plan(func, op, leaves, spec, device_type)
     p = _PLANS[key] = _make_plan(func, op, leaves, spec, device_type)
+    return p
+
+
+def without_out(func, args, kwargs, device_type: str, plan: OpPlan) -> OpPlan:
+    """The plan of this configuration from now on without its out= variant (it resizes its outputs on the way)."""
+    p = dataclasses.replace(plan, out_op=None, out_names=(), hidden={}, checked=[])
+    leaves, spec = ops.flatten(args, kwargs)
+    try:
+        _PLANS[(func, device_type, torch.get_default_dtype(), _key(leaves), tuple(spec[0]), tuple(spec[1]))] = p
+    except TypeError:  # an unhashable argument: nothing was cached
+        pass
     return p
 
 

@@ -211,3 +211,26 @@ def test_a_composite_kernel_that_computes_on_host_tensors_runs_whole(rows):
             out.pow(2).sum().backward()
         runs.append([out.detach(), norm.weight.grad, norm.bias.grad, norm.running_mean, norm.running_var])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.parametrize("loss", ["huber", "bce"])
+def test_an_out_variant_that_resizes_its_output_on_the_way_does_not_overwrite_its_neighbours(loss):
+    """huber_loss.out and binary_cross_entropy.out with a reduction compute the elementwise loss into `out` first,
+    resized to the input's shape, then reduce it into `out` resized back: run on an arena view for a 0-dim output,
+    that wrote the whole elementwise loss over the tensors placed after it. Such an op now takes the temporary
+    path, and the step stays exact."""
+    import torch.nn.functional as F
+    fn = {"huber": F.huber_loss, "bce": F.binary_cross_entropy}[loss]
+    torch.manual_seed(0)
+    x, target = torch.randn(16, 32, requires_grad=True), torch.rand(16, 32)
+    want = fn(x.sigmoid(), target)
+    want.backward()
+    want_grad, x.grad = x.grad, None
+    with coop_arena.Budget(64 << 10, device="cpu"):
+        p = x.sigmoid()
+        placed = [torch.full((128,), float(i)) for i in range(40)]
+        del placed[20]  # a hole of one block: the 0-dim output goes there, before 19 live tensors
+        got = fn(p, target)
+        assert [i for i, v in enumerate(placed) if not torch.equal(v, torch.full((128,), float(i + (i >= 20))))] == []
+        got.backward()
+    assert torch.equal(got, want) and torch.equal(x.grad, want_grad)
