@@ -438,7 +438,15 @@ class Dispatch:
                 self.remat.before_write(s)
             else:
                 self.remat.freeze_readers(s)
-        out, _, recipe = self._execute(call)
+        fixed = self._fix_out_args(call) if targets and self.device.type != "meta" else False
+        try:
+            out, _, recipe = self._execute(call)
+        except RuntimeError as e:  # PyTorch's message when a storage that cannot grow is resized
+            if fixed and "not resizable" in str(e):
+                raise UnsupportedOp(call.func, "its kernel resizes its out= argument on the way (beyond its final "
+                                               "shape), which a tensor in the arena cannot be; call the op without "
+                                               "out=") from e
+            raise
         for s in targets:
             if len(targets) == 1 and s.payload.recipe is not None:
                 s.payload.mutations.append(recipe)
@@ -466,6 +474,18 @@ class Dispatch:
                                                f"{list(spec.size)} in place, which a tensor in the arena cannot be; "
                                                f"pass an out= tensor of shape {list(spec.size)}, or call the op "
                                                f"without out=")
+
+    def _fix_out_args(self, call: _Call) -> bool:
+        """Give the op its out= arguments in the arena as views that cannot grow (_fixed_view): a kernel that
+        resizes one on the way raises before writing. Returns whether there was one."""
+        fixed = False
+        for _, name, kw_only, _ in call.op.written:
+            v = call.pkwargs.get(name) if kw_only else None
+            if isinstance(v, torch.Tensor) and self.arena.owns(v):
+                call.pkwargs[name] = self._fixed_view(v.storage_offset() * v.element_size(), v.dtype, tuple(v.size()),
+                                                      tuple(v.stride()), 0)
+                fixed = True
+        return fixed
 
     def _results_of_write(self, call: _Call, out, inputs):
         """An output aliasing a written argument is that argument's original object (autograd expects `self`)."""

@@ -234,3 +234,18 @@ def test_an_out_variant_that_resizes_its_output_on_the_way_does_not_overwrite_it
         assert [i for i, v in enumerate(placed) if not torch.equal(v, torch.full((128,), float(i + (i >= 20))))] == []
         got.backward()
     assert torch.equal(got, want) and torch.equal(x.grad, want_grad)
+
+
+def test_a_users_out_argument_that_the_kernel_would_resize_on_the_way_is_refused():
+    """The same kernels given an arena tensor of the right final shape as out=: refused before anything is written
+    (a replay would write into the arena view again)."""
+    x, target = torch.rand(16, 32), torch.rand(16, 32)
+    with coop_arena.Budget(64 << 10, device="cpu"):
+        out = torch.zeros(()) + 5
+        placed = [torch.full((128,), float(i)) for i in range(20)]
+        with pytest.raises(coop_arena.UnsupportedOp, match="resizes its out= argument"):
+            torch.ops.aten.huber_loss.out(x * 1, target, 1, 1.0, out=out)
+        assert out.item() == 5 and all(torch.equal(v, torch.full((128,), float(i))) for i, v in enumerate(placed))
+        fine = torch.zeros(16, 32) + 1
+        torch.ops.aten.huber_loss.out(x * 1, target, 0, 1.0, out=fine)  # no reduction: written in place
+        assert torch.equal(fine, torch.nn.functional.huber_loss(x, target, reduction="none"))
