@@ -482,8 +482,9 @@ class Dispatch:
         for _, name, kw_only, _ in call.op.written:
             v = call.pkwargs.get(name) if kw_only else None
             if isinstance(v, torch.Tensor) and self.arena.owns(v):
-                call.pkwargs[name] = self._fixed_view(v.storage_offset() * v.element_size(), v.dtype, tuple(v.size()),
-                                                      tuple(v.stride()), 0)
+                view = self._fixed_view(v.storage_offset() * v.element_size(), v.dtype, tuple(v.size()),
+                                        tuple(v.stride()), 0)
+                call.pkwargs[name] = with_bits(view, v.is_conj(), v.is_neg())
                 fixed = True
         return fixed
 
