@@ -34,13 +34,24 @@ from .cost import op_cost
 from .errors import BudgetUsageError, UnsupportedOp, _internal_assert
 from .recipe import ArgRef, Data, Recipe, capture_rng, dead_ref, plain_dispatch
 from .storage import Storage
-from .tensor import Tensor
+from .tensor import Tensor, with_bits
 
 aten = torch.ops.aten
 
 # (op, its non-tensor arguments) -> positions of external tensor arguments it writes although its schema does
 # not say so (native_batch_norm's running statistics). Found by comparing the arguments around the first call.
 _UNMARKED_WRITES: dict = {}
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and its clone `b` hold the same bytes (torch.equal finds a NaN unequal to itself)."""
+    def raw(t):
+        return t.resolve_conj().resolve_neg().contiguous().view(-1).view(torch.uint8)
+    return torch.equal(raw(a), raw(b))
+
+
+class _Grows(Exception):
+    """An out= kernel tried to resize a view whose storage cannot grow (Dispatch._fixed_view)."""
 
 
 class _Call:
@@ -82,7 +93,8 @@ class Dispatch:
         try:
             owner = self.owners(leaves, func)
             mine = {s.sid: s for s in owner.values()}
-            if not mine and self.bookkeeping is not None and self.bookkeeping.active():  # See bookkeeping.py
+            if not mine and ((self.bookkeeping is not None and self.bookkeeping.active())  # See bookkeeping.py
+                             or self._off_arena(leaves, kwargs)):
                 written = [v for _, value in self._written(call, args, kwargs)
                            for v in (value if isinstance(value, (list, tuple)) else [value]) if v is not None]
                 return run_outside(self, func, args, kwargs, written)
@@ -151,11 +163,22 @@ class Dispatch:
             self._bind(call, owner)
             return self._run_view(call)
         if plan is not None and (plan.out_op is not None or call.op.uninitialized):
-            return self._run_direct(call, owner, plan)
+            try:
+                return self._run_direct(call, owner, plan)
+            except _Grows:  # its out= variant resizes its outputs on the way: see Note [Direct placement]
+                plan = placement.without_out(call.func, call.args, call.kwargs, self.device.type, plan)
         if plan is not None and plan.decomposes and self.runtime.mode is not None:
             return self._run_decomposed(call)
         self._bind(call, owner)
         return self._run_temporary(call, plan)
+
+    def _off_arena(self, leaves, kwargs) -> bool:
+        """Whether every tensor an op reads lives on another device than the arena's, and it asks for none (a CPU
+        constant or index computed on in a CUDA block): it runs there, as without a Budget."""
+        if kwargs.get("device") is not None and not self._elsewhere(kwargs["device"]):
+            return False
+        devices = [x.device for x in leaves if isinstance(x, torch.Tensor)]
+        return bool(devices) and all(d != self.device for d in devices)
 
     def _elsewhere(self, device) -> bool:
         """Whether an op's `device=` argument puts its outputs on another device than the arena's. A dry run on
@@ -217,16 +240,25 @@ class Dispatch:
             probe = None
             if written is None:  # first call of this op and configuration: look for writes the schema hides
                 probe = [(pos, t, t._version, t.clone()) for pos, t in externals]
-            views = [self.arena.view(s.offset, o.dtype, o.size, o.stride, 0) if s is not None
-                     else torch.empty(o.size, dtype=o.dtype, device=self.device) for s, o in zip(placed, plan.outputs)]
+            guard = plan.out_op is not None and not plan.checked and self.device.type != "meta"
+            views = [(self._fixed_view if guard else self.arena.view)(s.offset, o.dtype, o.size, o.stride, 0)
+                     if s is not None else torch.empty(o.size, dtype=o.dtype, device=self.device)
+                     for s, o in zip(placed, plan.outputs)]
             rng = capture_rng(self.device, call.op.random, call.pkwargs)
             if plan.out_op is not None:  # else uninitialized memory (the empty family): nothing to write
-                plan.out_op(*call.pargs, **call.pkwargs, **dict(zip(plan.out_names, views)))
+                try:
+                    plan.out_op(*call.pargs, **call.pkwargs, **dict(zip(plan.out_names, views)))
+                except RuntimeError as e:  # PyTorch's message when a storage that cannot grow is resized
+                    if guard and "not resizable" in str(e):
+                        raise _Grows from e
+                    raise
+                if guard:
+                    plan.checked.append(True)
             memory.may_relocate = True
             self._account(plan.cost)
             if probe is not None:
                 written = key[0][key[1]] = frozenset(
-                    pos for pos, t, v, before in probe if t._version != v or not torch.equal(t, before))
+                    pos for pos, t, v, before in probe if t._version != v or not _same_bits(t, before))
             rargs, rkwargs = ops.unflatten(call.recorded, call.spec)
             recipe = Recipe.make(func, rargs, rkwargs, rng, plan.cost, uninitialized=call.op.uninitialized,
                                  grad_mode=torch.is_grad_enabled(), direct=plan)
@@ -254,6 +286,14 @@ class Dispatch:
         self._placed(call, placed)
         return tuple(results) if len(plan.outputs) > 1 else results[0]
 
+    def _fixed_view(self, byte_offset: int, dtype, size, stride, storage_offset: int) -> torch.Tensor:
+        """An arena view like Arena.view, over a storage of its own that is exactly its range and cannot grow:
+        an out= kernel that resizes it raises before writing (Note [Direct placement])."""
+        nbytes = placement.span_bytes(size, stride, dtype.itemsize)
+        base = self.arena.bytes(byte_offset, nbytes)
+        storage = torch._C._construct_storage_from_data_pointer(base.data_ptr(), self.device, nbytes)
+        return torch.empty(0, dtype=dtype, device=self.device).set_(storage, storage_offset, size, stride)
+
     def _placed(self, call: _Call, placed) -> None:
         for s in placed:
             self.memory.unpin(s)
@@ -278,7 +318,7 @@ class Dispatch:
         self.memory.may_relocate = True  # the op has run: its inputs' views are dead, they may move
         if probe is not None:
             written = key[0][key[1]] = frozenset(
-                pos for pos, t, v, before in probe if t._version != v or not torch.equal(t, before))
+                pos for pos, t, v, before in probe if t._version != v or not _same_bits(t, before))
         rargs, rkwargs = ops.unflatten(call.recorded, call.spec)
         recipe = Recipe.make(func, rargs, rkwargs, rng, cost, uninitialized=call.op.uninitialized,
                              grad_mode=torch.is_grad_enabled())
@@ -322,8 +362,12 @@ class Dispatch:
             t, plain = call.args[0], call.pargs[0]
             rest = list(call.pargs[1:])
             given = rest[2] if len(rest) > 2 else call.pkwargs.get("storage_offset")
-            shift = plain.storage_offset() - t.storage_offset()
-            offset = (t.storage_offset() if given is None else given) + shift
+            given = t.storage_offset() if given is None else given
+            with plain_dispatch():  # PyTorch's bounds check against the tensor's storage, not the whole arena (on
+                # meta only the in-place as_strided_ checks)
+                torch.empty(t._cell.storage.nbytes // t.element_size(), dtype=t.dtype, device="meta").as_strided_(
+                    rest[0], rest[1], given)
+            offset = given + plain.storage_offset() - t.storage_offset()
             out = aten.as_strided.default(plain, rest[0], rest[1], offset)
             return self._wrap_alias(out, call.inputs, call.func)
         out = call.func(*call.pargs, **call.pkwargs)
@@ -343,7 +387,8 @@ class Dispatch:
         s = self._input_holding(o, inputs, func, "returned a view of")
         rel = o.storage_offset() * o.element_size() - s.offset
         _internal_assert(rel % o.element_size() == 0, f"{func}: view offset {rel} not a multiple of its item size")
-        return self.lifetime.wrap(s, o.dtype, o.size(), o.stride(), rel // o.element_size())
+        return with_bits(self.lifetime.wrap(s, o.dtype, o.size(), o.stride(), rel // o.element_size()), o.is_conj(),
+                         o.is_neg())
 
     def _run_inplace_view(self, func, args, kwargs):
         """An op that changes a tensor's shape in place (unsqueeze_, as_strided_): the new metadata is computed
@@ -387,6 +432,8 @@ class Dispatch:
                         targets.append(s)
                 else:  # See Rule 5: a write outside the arena is an effect; what read the old value is frozen
                     self._freeze_readers_of_external(v)
+        if targets:
+            self._check_not_resized(call)
         if not self.recomputable_inplace and targets:
             return self._run_write_cow(call, targets)
         for s in targets:  # See Rule 6
@@ -394,7 +441,15 @@ class Dispatch:
                 self.remat.before_write(s)
             else:
                 self.remat.freeze_readers(s)
-        out, _, recipe = self._execute(call)
+        fixed = self._fix_out_args(call) if targets and self.device.type != "meta" else False
+        try:
+            out, _, recipe = self._execute(call)
+        except RuntimeError as e:  # PyTorch's message when a storage that cannot grow is resized
+            if fixed and "not resizable" in str(e):
+                raise UnsupportedOp(call.func, "its kernel resizes its out= argument on the way (beyond its final "
+                                               "shape), which a tensor in the arena cannot be; call the op without "
+                                               "out=") from e
+            raise
         for s in targets:
             if len(targets) == 1 and s.payload.recipe is not None:
                 s.payload.mutations.append(recipe)
@@ -403,6 +458,38 @@ class Dispatch:
                 self.remat.make_unevictable(s)
         self._note_external_reads(call.recorded, targets)
         return self._results_of_write(call, out, call.inputs)
+
+    def _check_not_resized(self, call: _Call) -> None:
+        """PyTorch resizes an out= tensor of the wrong shape (with a warning). An arena view grown in place would
+        write past its storage into its neighbours': refused before the op runs. The shapes come from the op's plan
+        (its run on meta, which resizes the meta out= tensors as the real run would)."""
+        plan = placement.plan_for(call.func, call.op, call.args, call.kwargs, self.device.type)
+        if plan is None:
+            return
+        written = {n: v for sets, v in self._written(call, call.pargs, call.pkwargs) for n in sets}
+        for r, spec in zip(call.func._schema.returns, plan.outputs):
+            alias = r.alias_info
+            if spec is None or alias is None or not alias.is_write:
+                continue
+            v = next((written[n] for n in alias.before_set if n in written), None)
+            if isinstance(v, torch.Tensor) and self.arena.owns(v) and tuple(v.size()) != spec.size:
+                raise UnsupportedOp(call.func, f"its out= argument of shape {list(v.size())} would be resized to "
+                                               f"{list(spec.size)} in place, which a tensor in the arena cannot be; "
+                                               f"pass an out= tensor of shape {list(spec.size)}, or call the op "
+                                               f"without out=")
+
+    def _fix_out_args(self, call: _Call) -> bool:
+        """Give the op its out= arguments in the arena as views that cannot grow (_fixed_view): a kernel that
+        resizes one on the way raises before writing. Returns whether there was one."""
+        fixed = False
+        for _, name, kw_only, _ in call.op.written:
+            v = call.pkwargs.get(name) if kw_only else None
+            if isinstance(v, torch.Tensor) and self.arena.owns(v):
+                view = self._fixed_view(v.storage_offset() * v.element_size(), v.dtype, tuple(v.size()),
+                                        tuple(v.stride()), 0)
+                call.pkwargs[name] = with_bits(view, v.is_conj(), v.is_neg())
+                fixed = True
+        return fixed
 
     def _results_of_write(self, call: _Call, out, inputs):
         """An output aliasing a written argument is that argument's original object (autograd expects `self`)."""
@@ -436,8 +523,9 @@ class Dispatch:
         new = self._clone_storage(old, call.func)
         for i, a in enumerate(call.recorded):  # the op now reads and writes the copy
             if isinstance(a, ArgRef) and a.storage is old:
-                call.recorded[i] = ArgRef(new, 0, a.dtype, a.size, a.stride, a.offset)
-                call.plain[i] = self.arena.view(new.offset, a.dtype, a.size, a.stride, a.offset)
+                call.recorded[i] = ArgRef(new, 0, a.dtype, a.size, a.stride, a.offset, a.conj, a.neg)
+                view = self.arena.view(new.offset, a.dtype, a.size, a.stride, a.offset)
+                call.plain[i] = with_bits(view, a.conj, a.neg)
         call.pargs, call.pkwargs = ops.unflatten(call.plain, call.spec)
         self.memory.pin(new)
         try:
@@ -488,8 +576,15 @@ class Dispatch:
             if isinstance(x, Tensor):
                 if x._cell.storage.payload.runtime is self.runtime:
                     owner[i] = x._cell.storage
-            elif isinstance(x, torch.Tensor) and self.arena.owns(x):
-                owner[i] = self._storage_at(x, func)
+            elif isinstance(x, torch.Tensor):
+                if self.arena.owns(x):
+                    owner[i] = self._storage_at(x, func)
+                elif x.layout == torch.strided and x.data_ptr() == 0 and x.numel() and x.device.type != "meta":
+                    raise BudgetUsageError(  # reading its bytes would crash the interpreter
+                        f"{func} got a tensor of shape {list(x.shape)} with no memory: a tensor from before the "
+                        f"Budget whose data was replaced by a tensor made inside it (`p.data = t`, or module.to(), "
+                        f".double(), .half(), a lazy module's first call inside the block), which gives it the "
+                        f"wrapper's memory, none. Its bytes are gone; convert or reassign parameters outside the block")
         return owner
 
     def arena_arg(self, x, s: Storage):
@@ -497,9 +592,9 @@ class Dispatch:
         offset = x.storage_offset()
         if not isinstance(x, Tensor):  # a raw view: its offset counts from the arena's start
             offset -= s.offset // x.element_size()
-        size, stride = tuple(x.size()), tuple(x.stride())
-        return (self.arena.view(s.offset, x.dtype, size, stride, offset),
-                ArgRef(s, s.payload.version, x.dtype, size, stride, offset))
+        size, stride, conj, neg = tuple(x.size()), tuple(x.stride()), x.is_conj(), x.is_neg()
+        return (with_bits(self.arena.view(s.offset, x.dtype, size, stride, offset), conj, neg),
+                ArgRef(s, s.payload.version, x.dtype, size, stride, offset, conj, neg))
 
     def _storage_at(self, t: torch.Tensor, func) -> Storage:
         """The resident storage holding a raw arena view's first byte."""

@@ -22,6 +22,11 @@ Approach:
   - Otherwise (no out= variant, or one that computes into a temporary and copies: convolution, layer norm,
     dropout, embedding_dense_backward) the op runs into temporaries that are copied in and counted
     (stats.temporary_bytes, temporary_peak).
+  - Some out= kernels resize `out` on the way (huber_loss.out and binary_cross_entropy.out with a reduction compute
+    the elementwise loss into it first, then shrink it to the reduced shape): on an arena view that would write
+    past the output's range. The first call of a configuration on a device with memory therefore writes into
+    views whose storage is exactly the outputs' ranges and cannot grow; if the kernel tries, nothing has been
+    written, the plan drops its out= variant (`without_out`) and the op takes the temporary path.
 Limitations: ops whose output shape depends on data (nonzero, masked_select) cannot run on `meta`: they take the
   temporary path and pay their cost model's call each time. A dry run on `meta` takes the CPU's choices, so its
   statistics match a CPU run.
@@ -29,6 +34,7 @@ Limitations: ops whose output shape depends on data (nonzero, masked_select) can
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -61,6 +67,8 @@ class OpPlan:
     cost: float           # the op's analytic cost (cost.py)
     hidden: dict = field(default_factory=dict)  # external argument positions -> those it writes although its
                                                 # schema does not say so (dispatch.py, Rule 5); filled there
+    checked: list = field(default_factory=list)  # [True] once a run showed its out= variant keeps its outputs'
+                                                 # ranges (dispatch.py, Note [Direct placement]); filled there
 
 
 _PLANS: dict = {}
@@ -72,7 +80,8 @@ _WRITES_IN_PLACE: dict = {}
 def plan_for(func, op, args, kwargs, device_type: str) -> OpPlan | None:
     """The plan of a functional op called with plain `args`/`kwargs`, or None when it cannot run on meta."""
     leaves, spec = ops.flatten(args, kwargs)
-    key = (func, device_type, _key(leaves), tuple(spec[0]), tuple(spec[1]))
+    # factory ops reach aten with dtype=None and take the default dtype when they run
+    key = (func, device_type, torch.get_default_dtype(), _key(leaves), tuple(spec[0]), tuple(spec[1]))
     try:
         return _PLANS[key]
     except KeyError:
@@ -83,6 +92,17 @@ def plan_for(func, op, args, kwargs, device_type: str) -> OpPlan | None:
     return p
 
 
+def without_out(func, args, kwargs, device_type: str, plan: OpPlan) -> OpPlan:
+    """The plan of this configuration from now on without its out= variant (it resizes its outputs on the way)."""
+    p = dataclasses.replace(plan, out_op=None, out_names=(), hidden={}, checked=[])
+    leaves, spec = ops.flatten(args, kwargs)
+    try:
+        _PLANS[(func, device_type, torch.get_default_dtype(), _key(leaves), tuple(spec[0]), tuple(spec[1]))] = p
+    except TypeError:  # an unhashable argument: nothing was cached
+        pass
+    return p
+
+
 def _key(leaves) -> tuple:
     out = []
     for x in leaves:
@@ -90,8 +110,8 @@ def _key(leaves) -> tuple:
             out.append((x.dtype, tuple(x.size()), tuple(x.stride())))
         elif isinstance(x, list):
             out.append(tuple(x))
-        else:
-            out.append(x)
+        else:  # with its type: 2 == 2.0 == True, yet pow(int64, 2) is int64 and pow(int64, 2.0) float32
+            out.append((type(x), x))
     return tuple(out)
 
 
@@ -226,24 +246,29 @@ def out_variant(func):
 
 
 class _Made(TorchDispatchMode):
-    """Records the tensors the ops called under it return."""
+    """Records the tensors the ops called under it return (on meta), and whether any is made elsewhere."""
 
     def __init__(self):
         super().__init__()
         self.made: dict = {}  # id -> shape it was made with
+        self.seen: list = []  # the tensors themselves: an id stays theirs while the probe runs
+        self.off_meta = False  # some op made a tensor off meta: the kernel computes on the host (it reads the data)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for o in (out if isinstance(out, (tuple, list)) else [out]):
             if isinstance(o, torch.Tensor) and id(o) not in self.made:
                 self.made[id(o)] = tuple(o.shape)
+                self.seen.append(o)
+                self.off_meta = self.off_meta or o.device != _META
         return out
 
 
 def _parts_make_outputs(func, device_type: str, margs, mkwargs) -> bool:
     """True when every tensor a composite kernel returns is made, at its final shape, by an op it calls through
     the dispatcher (so the Budget places it), checked on meta. arange's kernel makes an empty tensor and resizes
-    it: not so."""
+    it: not so. Nor a kernel that makes tensors off meta (repeat builds its permutation in CPU tensors and reads
+    their data by pointer, which a wrapper has none of)."""
     probe = _Made()
     try:
         with torch.utils._python_dispatch._disable_current_modes(), probe:
@@ -251,7 +276,8 @@ def _parts_make_outputs(func, device_type: str, margs, mkwargs) -> bool:
     except Exception:
         return False
     outs = out if isinstance(out, (tuple, list)) else [out]
-    return all(probe.made.get(id(o)) == tuple(o.shape) for o in outs if isinstance(o, torch.Tensor))
+    return not probe.off_meta and all(probe.made.get(id(o)) == tuple(o.shape)
+                                      for o in outs if isinstance(o, torch.Tensor))
 
 
 class _Probe(TorchDispatchMode):

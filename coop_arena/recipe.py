@@ -20,7 +20,7 @@ import torch
 from . import ops
 from .errors import TensorLost, _internal_assert
 from .storage import Storage
-from .tensor import Cell
+from .tensor import Cell, with_bits
 
 
 @dataclass(slots=True, eq=False)
@@ -33,6 +33,8 @@ class ArgRef:
     size: tuple
     stride: tuple
     offset: int
+    conj: bool = False      # the view's conjugate and negative bits (tensor.with_bits)
+    neg: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -103,20 +105,22 @@ class Data:
 
     def plain_view(self, t, *, copy: bool = False) -> torch.Tensor:
         """A plain tensor over wrapper `t`'s bytes: its own copy after the block, the arena inside it (with
-        `copy=True`, inside it: a fresh copy of the whole storage, for paths that hand the bytes out)."""
+        `copy=True`, inside it: a fresh copy of the whole storage, for paths that hand the bytes out). It has `t`'s
+        conjugate and negative bits."""
         with plain_dispatch():
             if self.detached is not None:
-                return self.detached.view(t.dtype).as_strided(t.size(), t.stride(), t.storage_offset())
-            if self.lost is not None:
+                view = self.detached.view(t.dtype).as_strided(t.size(), t.stride(), t.storage_offset())
+            elif self.lost is not None:
                 raise TensorLost(self.lost)
-            rt = self.runtime
-            _internal_assert(rt is not None, "a storage with neither an arena nor a copy")
-            view = rt.plain_view(t)
-            if not copy:
-                return view
-            s = t._cell.storage
-            own = rt.arena.bytes(s.offset, s.nbytes).clone()
-            return own.view(t.dtype).as_strided(t.size(), t.stride(), t.storage_offset())
+            else:
+                rt = self.runtime
+                _internal_assert(rt is not None, "a storage with neither an arena nor a copy")
+                view = rt.plain_view(t)  # restores the storage if it is evicted
+                if copy:
+                    s = t._cell.storage
+                    own = rt.arena.bytes(s.offset, s.nbytes).clone()
+                    view = own.view(t.dtype).as_strided(t.size(), t.stride(), t.storage_offset())
+            return with_bits(view, t.is_conj(), t.is_neg())
 
 
 def dead_ref():

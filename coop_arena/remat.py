@@ -49,6 +49,7 @@ from .lifetime import keeps_dead
 from .memory import Memory
 from .recipe import ArgRef, Recipe, replaying
 from .storage import State, Storage
+from .tensor import with_bits
 from . import ops, placement
 
 WARN_OVERHEAD = 3.0  # a step whose recompute overhead passes this warns once (RuntimeWarning)
@@ -269,7 +270,7 @@ class Remat:
                     _internal_assert(scratch is not None, f"recipe reads storage {s.sid} at version {a.version}, it "
                                                           f"is at {s.payload.version} and no replay rebuilt that")
                     offset = scratch.offset
-                flat[i] = self.arena.view(offset, a.dtype, a.size, a.stride, a.offset)
+                flat[i] = with_bits(self.arena.view(offset, a.dtype, a.size, a.stride, a.offset), a.conj, a.neg)
         return ops.unflatten(flat, spec)
 
     def _replay_direct(self, offset: int, recipe: Recipe, index: int, shadows: dict) -> None:

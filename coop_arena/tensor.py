@@ -41,6 +41,16 @@ from .errors import RawMemoryError, TensorLost
 aten = torch.ops.aten
 
 
+def with_bits(plain: torch.Tensor, conj: bool, neg: bool) -> torch.Tensor:
+    """`plain` with the conjugate and negative bits a lazy `conj()` or `_neg_view()` gives a view: what its bytes
+    mean. A view over arena bytes is made without them; the wrapper (or recipe argument) it stands for carries them."""
+    if conj:
+        torch._C._set_conj(plain, True)
+    if neg:
+        torch._C._set_neg(plain, True)
+    return plain
+
+
 class Cell:
     """The storage a wrapper's bytes live in. Shared by a base and its views; re-pointed only by copy-on-write."""
 
@@ -104,8 +114,8 @@ class Tensor(torch.Tensor):
                 memo[key] = plain.untyped_storage()
         else:
             with torch._C._DisableTorchDispatch():
-                plain = torch.empty(0, dtype=self.dtype, device=self.device).set_(
-                    storage, self.storage_offset(), self.size(), self.stride())
+                plain = with_bits(torch.empty(0, dtype=self.dtype, device=self.device).set_(
+                    storage, self.storage_offset(), self.size(), self.stride()), self.is_conj(), self.is_neg())
         return self._plain(plain)
 
     def _alias(self) -> Tensor:
@@ -113,6 +123,7 @@ class Tensor(torch.Tensor):
         type; nn.Parameter(t) needs it)."""
         storage = self.as_plain().untyped_storage()
         out = Tensor(self._cell, self.size(), self.stride(), self.storage_offset(), self.dtype, self.device)
+        with_bits(out, self.is_conj(), self.is_neg())
         adopt([(out, storage)])
         return out
 
