@@ -125,6 +125,7 @@ class Budget:
         self._bookkeeping: Bookkeeping | None = None
         self._stats: BudgetStats | None = None
         self._trace: list = []
+        self._block = threading.Lock()  # held from __enter__ to __exit__, whichever thread entered
 
     def __repr__(self) -> str:
         return f"Budget({self.memory.budget} bytes, device={self.device}, policy={self.policy!r})"
@@ -135,6 +136,17 @@ class Budget:
         if other is not None:
             raise BudgetUsageError(f"{other!r} is already active; Budgets do not nest. Leave it before entering "
                                    f"{self!r}, or use one Budget for the whole step")
+        if not self._block.acquire(blocking=False):  # active in another thread: entering would reset its arena
+            raise BudgetUsageError(f"{self!r} is already active in another thread; a Budget runs one block at a time. "
+                                   f"Give each thread a Budget of its own, or wait for that block to end")
+        try:
+            self._open()
+        except BaseException:
+            self._block.release()
+            raise
+        return self
+
+    def _open(self) -> None:
         raise_recursion_limit()
         self.arena.bind_stream()
         self.memory.reset()
@@ -147,7 +159,6 @@ class Budget:
         self._mode.__enter__()
         self._bookkeeping.open()
         _active.budget = self
-        return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         _internal_assert(self._mode is not None, "Budget exited without being entered")
@@ -166,6 +177,7 @@ class Budget:
                 self._trace = list(self.memory.trace.events)
                 self.memory.reset()
                 self._runtime = None
+                self._block.release()
         return False
 
     def _explain_thrashing(self) -> str:

@@ -1,0 +1,52 @@
+"""A Budget used the ways a new user tries: from several threads, re-entered, across failures."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+
+import coop_arena
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(32, 32), nn.Tanh())], nn.Linear(32, 10))
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_entering_an_active_budget_from_another_thread_is_refused_and_changes_nothing():
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 32), torch.randint(0, 10, (64,))
+    reference = _mlp()
+    nn.functional.cross_entropy(reference(x), y).backward()
+    model = _mlp()
+    budget = coop_arena.Budget(40 << 10, device="cpu")
+    errors = []
+
+    def other_thread():
+        try:
+            with budget:
+                torch.randn(16) * 2
+        except coop_arena.BudgetUsageError as e:
+            errors.append(e)
+
+    with budget:
+        loss = nn.functional.cross_entropy(model(x), y)
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join()
+        loss.backward()
+        budget.check_invariants()
+    assert len(errors) == 1 and "another thread" in str(errors[0])
+    assert budget.stats.evictions > 0 and budget.memory.used_bytes == 0
+    assert all(torch.equal(a, b) for a, b in zip(_grads(reference), _grads(model)))
+    assert type(torch.ones(2) * 2) is torch.Tensor  # no dispatch mode left behind
+    with budget:  # still usable, from either thread
+        z = torch.ones(4) * 3
+    assert torch.equal(z.as_plain(), torch.full((4,), 3.0))
