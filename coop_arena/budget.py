@@ -97,6 +97,10 @@ class Budget:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"nbytes must be a positive int number of bytes, got {nbytes!r} "
                              f"(for example coop_arena.Budget(4 << 30) for 4 GiB)")
+        if nbytes >= 1 << 63:  # the block table keeps offsets as int64
+            raise ValueError(f"nbytes must be at most 2**63 - 1 bytes (arena offsets are 64-bit), got {nbytes}")
+        if isinstance(trace_len, bool) or not isinstance(trace_len, int) or trace_len < 0:
+            raise ValueError(f"trace_len must be an int >= 0 (the memory events kept per block), got {trace_len!r}")
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; accepted: {', '.join(POLICIES)}")
         for name, v in (("partition", partition), ("recomputable_inplace", recomputable_inplace),
