@@ -50,3 +50,26 @@ def test_entering_an_active_budget_from_another_thread_is_refused_and_changes_no
     with budget:  # still usable, from either thread
         z = torch.ones(4) * 3
     assert torch.equal(z.as_plain(), torch.full((4,), 3.0))
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_budget_past_the_largest_offset_is_a_value_error(device):
+    with pytest.raises(ValueError, match="at most"):
+        coop_arena.Budget(1 << 63, device=device)
+    with pytest.raises(ValueError, match="trace_len"):
+        coop_arena.Budget(1 << 20, device=device, trace_len=-1)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["mlp", "--budget", "1e400"], "not a finite"),
+    (["mlp", "--budget", "1e30GiB"], "at most"),
+    (["nosuch_module_xyz:build"], "cannot import"),
+    (["coop_arena.examples:nope"], "has no attribute"),
+    (["coop_arena.examples:MODELS"], "not callable"),
+])
+def test_cli_plan_bad_arguments_are_usage_errors(capsys, args, message):
+    from coop_arena.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["plan", *args])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
