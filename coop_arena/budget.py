@@ -37,6 +37,7 @@ from .runtime import Runtime, raise_recursion_limit
 from .tensor import Tensor
 
 _active = threading.local()
+_claim = threading.Lock()  # makes a Budget's owner check-and-set atomic across threads
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,7 @@ class Budget:
         self._bookkeeping: Bookkeeping | None = None
         self._stats: BudgetStats | None = None
         self._trace: list = []
-        self._block = threading.Lock()  # held from __enter__ to __exit__, whichever thread entered
+        self._owner: int | None = None  # the thread whose block is open; __enter__ and the end of __exit__ only
 
     def __repr__(self) -> str:
         return f"Budget({self.memory.budget} bytes, device={self.device}, policy={self.policy!r})"
@@ -140,13 +141,16 @@ class Budget:
         if other is not None:
             raise BudgetUsageError(f"{other!r} is already active; Budgets do not nest. Leave it before entering "
                                    f"{self!r}, or use one Budget for the whole step")
-        if not self._block.acquire(blocking=False):  # active in another thread: entering would reset its arena
-            raise BudgetUsageError(f"{self!r} is already active in another thread; a Budget runs one block at a time. "
-                                   f"Give each thread a Budget of its own, or wait for that block to end")
+        me = threading.get_ident()
+        with _claim:  # active in another thread: entering would reset the arena under that block's tensors
+            if self._owner not in (None, me):
+                raise BudgetUsageError(f"{self!r} is already active in another thread; a Budget runs one block at a "
+                                       f"time. Give each thread a Budget of its own, or wait for that block to end")
+            self._owner = me
         try:
             self._open()
         except BaseException:
-            self._block.release()
+            self._owner = None
             raise
         return self
 
@@ -181,7 +185,7 @@ class Budget:
                 self._trace = list(self.memory.trace.events)
                 self.memory.reset()
                 self._runtime = None
-                self._block.release()
+                self._owner = None
         return False
 
     def _explain_thrashing(self) -> str:

@@ -52,6 +52,23 @@ def test_entering_an_active_budget_from_another_thread_is_refused_and_changes_no
     assert torch.equal(z.as_plain(), torch.full((4,), 3.0))
 
 
+def test_an_interrupt_while_a_block_ends_leaves_the_budget_usable_from_its_thread(monkeypatch):
+    budget = coop_arena.Budget(1 << 20, device="cpu")
+    collect = budget._collect
+
+    def interrupted(rt):
+        monkeypatch.setattr(budget, "_collect", collect)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(budget, "_collect", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with budget:
+            torch.ones(4) * 2
+    with budget:
+        z = torch.ones(4) * 3
+    assert torch.equal(z.as_plain(), torch.full((4,), 3.0)) and budget.memory.used_bytes == 0
+
+
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 def test_a_budget_past_the_largest_offset_is_a_value_error(device):
     with pytest.raises(ValueError, match="at most"):
