@@ -28,7 +28,8 @@ Approach: storages whose wrappers are gone are dropped first (a cycle collection
   [Escaped tensors] in tensor.py); evicted ones are replayed (counted in `exit_rematerializations`) only when the
   block ends normally. When an exception leaves the block, nothing is replayed: evicted storages are dropped and
   raise TensorLost on use, so the block ends at once. So do the outputs an op had placed before it failed (freed
-  with the error, but their wrappers may live on in its traceback).
+  with the error, but their wrappers may live on in its traceback). Nor is anything freed then: the arena is reset
+  right after, and an interrupt (Ctrl-C) may have stopped a block-table update halfway, which a free would trip over.
 """
 
 from __future__ import annotations
@@ -140,10 +141,16 @@ class Lifetime:
             self._finish(remat, failed)
 
     def _finish(self, remat, failed: bool) -> None:
-        self.drain()
-        if not failed and any(s.state is State.EVICTED for s in self.live.values()):
-            gc.collect()  # wrappers kept alive only by reference cycles (finished graphs) die here
+        if failed:  # the arena is reset next: free nothing, since an interrupt may have stopped a table update halfway
+            for s in self.dead:
+                if s.payload.wrappers == 0 and s.state is not State.FREED:
+                    self.live.pop(s.sid, None)
+            self.dead = []
+        else:
             self.drain()
+            if any(s.state is State.EVICTED for s in self.live.values()):
+                gc.collect()  # wrappers kept alive only by reference cycles (finished graphs) die here
+                self.drain()
         live = sorted(self.live.values(), key=lambda s: (s.state is not State.RESIDENT, s.sid))
         for s in live:
             d = s.payload
