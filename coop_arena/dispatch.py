@@ -33,7 +33,7 @@ from .bookkeeping import run_outside
 from .cost import op_cost
 from .errors import BudgetUsageError, UnsupportedOp, _internal_assert
 from .recipe import ArgRef, Data, Recipe, capture_rng, dead_ref, plain_dispatch
-from .storage import Storage
+from .storage import State, Storage
 from .tensor import Tensor
 
 aten = torch.ops.aten
@@ -65,6 +65,7 @@ class Dispatch:
         self.recomputable_inplace = recomputable_inplace
         self.bookkeeping = runtime.bookkeeping         # other engines' work, run outside the arena (or None)
         self._ext_readers: dict[int, list] = {}     # external storage key -> weakrefs of storages reading it
+        self._ext_refs = self._ext_kept = 0          # weakrefs in _ext_readers now / after the last prune
 
     # ============================================================================================ dispatch
     def run(self, func, args, kwargs):
@@ -465,6 +466,18 @@ class Dispatch:
             if isinstance(a, torch.Tensor):
                 lst = self._ext_readers.setdefault(a.untyped_storage()._cdata, [])
                 lst.extend(weakref.ref(s) for s in storages)
+                self._ext_refs += len(storages)
+        if self._ext_refs > 2 * self._ext_kept + 1024:  # amortized: a long block reads its inputs at every step
+            self._prune_external_readers()
+
+    def _prune_external_readers(self) -> None:
+        """Drop the readers that are gone or freed (settle skips them), and external storages left with none."""
+        readers = self._ext_readers
+        for key in list(readers):
+            readers[key] = [r for r in readers[key] if (s := r()) is not None and s.state is not State.FREED]
+            if not readers[key]:
+                del readers[key]
+        self._ext_refs = self._ext_kept = sum(len(v) for v in readers.values())
 
     # ------------------------------------------------------------------------------------------- lookups
     def owners(self, leaves, func) -> dict:

@@ -61,7 +61,7 @@ class Lifetime:
         self.dead: list[Storage] = []               # storages whose last wrapper died, handled at the next op
         self._refs: dict[int, _WrapperRef] = {}     # id(ref) -> weak reference of every live wrapper
         self._externals: dict[int, weakref.ref] = {}  # leaves from before the block that ops read (for .grad)
-        self._hooks: list = []                        # their post-accumulate-grad hooks
+        self._hooks: dict[int, object] = {}           # their post-accumulate-grad hooks, by the same key
 
     # ============================================================================================ wrappers
     def wrap(self, s: Storage, dtype, size, stride, offset: int) -> Tensor:
@@ -87,9 +87,16 @@ class Lifetime:
 
     def watch_leaf(self, x: torch.Tensor) -> None:
         """A leaf from before the block that an op read: its gradient leaves the arena when accumulated."""
-        if x.requires_grad and x.is_leaf and id(x) not in self._externals:
-            self._externals[id(x)] = weakref.ref(x)
-            self._hooks.append(x.register_post_accumulate_grad_hook(_grad_leaves_arena))
+        key = id(x)
+        if x.requires_grad and x.is_leaf and key not in self._externals:
+            # forgotten when `x` dies: backward reads a new view of a parameter per op, so a long block would
+            # otherwise keep a record and a hook handle per step
+            self._externals[key] = weakref.ref(x, lambda _, key=key: self._unwatch(key))
+            self._hooks[key] = x.register_post_accumulate_grad_hook(_grad_leaves_arena)
+
+    def _unwatch(self, key: int) -> None:
+        self._externals.pop(key, None)
+        self._hooks.pop(key, None)
 
     # =============================================================================================== dead
     def drain(self) -> None:
@@ -176,9 +183,9 @@ class Lifetime:
             s.payload.runtime = None
             s.payload.recipe = None
             s.payload.mutations = []
-        for h in self._hooks:
+        for h in list(self._hooks.values()):
             h.remove()
-        for ref in self._externals.values():
+        for ref in list(self._externals.values()):
             t = ref()
             if t is not None and isinstance(t.grad, Tensor):
                 g = t.grad

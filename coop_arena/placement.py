@@ -72,7 +72,10 @@ _WRITES_IN_PLACE: dict = {}
 def plan_for(func, op, args, kwargs, device_type: str) -> OpPlan | None:
     """The plan of a functional op called with plain `args`/`kwargs`, or None when it cannot run on meta."""
     leaves, spec = ops.flatten(args, kwargs)
-    key = (func, device_type, _key(leaves), tuple(spec[0]), tuple(spec[1]))
+    k = _key(leaves)
+    if k is None:
+        return _make_plan(func, op, leaves, spec, device_type)
+    key = (func, device_type, k, tuple(spec[0]), tuple(spec[1]))
     try:
         return _PLANS[key]
     except KeyError:
@@ -83,11 +86,16 @@ def plan_for(func, op, args, kwargs, device_type: str) -> OpPlan | None:
     return p
 
 
-def _key(leaves) -> tuple:
+def _key(leaves) -> tuple | None:
+    """The cache key of an op's arguments, or None for no cache: a script object (the handle of
+    `record_function`, which wraps every optimizer step) is new at each call and hashes by identity, so caching it
+    would keep one plan and one handle per step for good."""
     out = []
     for x in leaves:
         if isinstance(x, torch.Tensor):
             out.append((x.dtype, tuple(x.size()), tuple(x.stride())))
+        elif isinstance(x, torch.ScriptObject):
+            return None
         elif isinstance(x, list):
             out.append(tuple(x))
         else:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import threading
 
 import pytest
@@ -123,3 +125,39 @@ def test_an_interrupt_inside_a_block_table_update_reaches_the_user_unchanged(k):
         nn.functional.cross_entropy(model(x), y).backward()
         budget.check_invariants()
     assert all(torch.equal(a, b) for a, b in zip(_grads(reference), _grads(model)))
+
+
+def _live_objects() -> int:
+    gc.collect()
+    return len(gc.get_objects())
+
+
+@pytest.mark.parametrize("one_block", [False, True], ids=["block-per-step", "loop-in-one-block"])
+def test_training_with_the_optimizer_inside_the_block_keeps_no_objects_per_step(one_block):
+    """`optimizer.step()` inside the block, one block per step or the whole loop in one block: the Python objects
+    alive stay the same from step to step, and the parameters are those of plain PyTorch."""
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 32), torch.randint(0, 10, (64,))
+
+    def train(budget, steps, counts):
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        outer = budget if one_block and budget is not None else contextlib.nullcontext()
+        with outer:
+            for i in range(steps):
+                with contextlib.nullcontext() if one_block or budget is None else budget:
+                    opt.zero_grad()
+                    nn.functional.cross_entropy(model(x), y).backward()
+                    opt.step()
+                if budget is not None and i in (59, steps - 1):
+                    if one_block:  # the readers of external tensors are pruned in amortized bursts: prune now
+                        budget._runtime.dispatch._prune_external_readers()
+                    counts.append(_live_objects())
+        return model
+
+    reference = train(None, 160, [])
+    budget, counts = coop_arena.Budget(40 << 10, device="cpu"), []
+    model = train(budget, 160, counts)
+    assert budget.stats.evictions > 0
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
+    assert counts[1] <= counts[0] + 64, f"live objects grew from {counts[0]} to {counts[1]} in 100 steps"
