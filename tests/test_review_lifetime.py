@@ -161,3 +161,22 @@ def test_training_with_the_optimizer_inside_the_block_keeps_no_objects_per_step(
     assert budget.stats.evictions > 0
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
     assert counts[1] <= counts[0] + 64, f"live objects grew from {counts[0]} to {counts[1]} in 100 steps"
+
+
+@pytest.mark.xfail(strict=True, raises=coop_arena.TensorLost, reason=(
+    "a held tensor evicted at the end of a block that ends normally is restored by a plan that pins its whole "
+    "path (one depth-first order, Note [Restore plans] in remat.py); when that does not fit, the tensor is dropped "
+    "(stats.dropped, TensorLost on use) instead of the block failing"))
+def test_a_held_vjp_result_survives_the_end_of_a_tight_block():
+    torch.manual_seed(0)
+    x = torch.randn(64, 32)
+    model = _mlp()
+    budget = coop_arena.Budget(41472, device="cpu")  # half the peak of one training step of this model
+    with budget:
+        out, vjp = torch.func.vjp(model, x)
+        (g,) = vjp(torch.ones_like(out))
+        kept = out.detach().clone()
+    assert budget.stats.evictions > 0
+    out2, vjp2 = torch.func.vjp(_mlp(), x)
+    assert torch.equal(kept.as_plain(), out2.detach())
+    assert torch.equal(g.as_plain(), vjp2(torch.ones_like(out2))[0])
