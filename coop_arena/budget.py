@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .arena import Arena, check_backend, resolve_device
 from .bookkeeping import Bookkeeping
-from .errors import ArenaAllocationError, BudgetUsageError, CompileNotApplied, _fmt, _internal_assert
+from .errors import ArenaAllocationError, BudgetUsageError, CompileNotApplied, _fmt
 from .memory import Memory
 from .optimizer import Steps
 from .policy import POLICIES
@@ -169,7 +169,9 @@ class Budget:
         _active.budget = self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        _internal_assert(self._mode is not None, "Budget exited without being entered")
+        if self._mode is None or self._owner != threading.get_ident():
+            raise BudgetUsageError(f"{self!r} is not active in this thread: __exit__ was called without a matching "
+                                   f"__enter__ (or twice, or from another thread); use `with budget:` around the step")
         try:
             self._mode.__exit__(None, None, None)
         finally:

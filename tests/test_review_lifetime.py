@@ -180,3 +180,16 @@ def test_a_held_vjp_result_survives_the_end_of_a_tight_block():
     out2, vjp2 = torch.func.vjp(_mlp(), x)
     assert torch.equal(kept.as_plain(), out2.detach())
     assert torch.equal(g.as_plain(), vjp2(torch.ones_like(out2))[0])
+
+
+def test_leaving_a_budget_that_is_not_entered_is_a_usage_error():
+    budget = coop_arena.Budget(1 << 20, device="cpu")
+    with pytest.raises(coop_arena.BudgetUsageError, match="not active"):
+        budget.__exit__(None, None, None)
+    with budget:
+        z = torch.ones(4) * 2
+    with pytest.raises(coop_arena.BudgetUsageError, match="not active"):
+        budget.__exit__(None, None, None)
+    assert torch.equal(z.as_plain(), torch.full((4,), 2.0))
+    with budget:  # still usable
+        torch.ones(4) * 3
