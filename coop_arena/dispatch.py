@@ -364,6 +364,7 @@ class Dispatch:
     def _run_write(self, call: _Call):
         func = call.func
         targets = []  # arena storages written
+        outside = False  # it also writes a tensor outside the arena
         for _, value in self._written(call, call.pargs, call.pkwargs):
             for v in (value if isinstance(value, (list, tuple)) else [value]):
                 if v is None:
@@ -374,19 +375,23 @@ class Dispatch:
                         targets.append(s)
                 else:  # See Rule 5: a write outside the arena is an effect; what read the old value is frozen
                     self._freeze_readers_of_external(v)
-        if not self.recomputable_inplace and targets:
+                    outside = True
+        # One arena storage written by an op with no effect outside it replays the write; otherwise (several
+        # storages at once, or a write outside too, which a replay would repeat: Rule 5) they are kept.
+        replayable = len(targets) == 1 and not outside
+        if not self.recomputable_inplace and targets and not outside:
             return self._run_write_cow(call, targets)
         for s in targets:  # See Rule 6
-            if len(targets) == 1:
+            if replayable:
                 self.remat.before_write(s)
             else:
                 self.remat.freeze_readers(s)
         out, _, recipe = self._execute(call)
         for s in targets:
-            if len(targets) == 1 and s.payload.recipe is not None:
+            if replayable and s.payload.recipe is not None:
                 s.payload.mutations.append(recipe)
                 self.memory.add_write(s, recipe.cost, call.inputs)
-            else:  # a write to several storages at once cannot be replayed into one: keep them
+            else:
                 self.remat.make_unevictable(s)
         self._note_external_reads(call.recorded, targets)
         return self._results_of_write(call, out, call.inputs)

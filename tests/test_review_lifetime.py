@@ -193,3 +193,48 @@ def test_leaving_a_budget_that_is_not_entered_is_a_usage_error():
     assert torch.equal(z.as_plain(), torch.full((4,), 2.0))
     with budget:  # still usable
         torch.ones(4) * 3
+
+
+def _evict_all_after_every_op(budget):
+    from test_exactness import EvictAll
+    return EvictAll(budget)
+
+
+@pytest.mark.parametrize("recomputable_inplace", [True, False])
+def test_an_op_writing_arena_and_outside_tensors_at_once_is_never_replayed(recomputable_inplace):
+    """GradScaler.unscale_ writes the gradients (outside the arena) and `found_inf` (inside) in one op: a replay of
+    `found_inf` must not unscale the gradients again (Rule 5)."""
+    grads = [torch.full((4,), 16.0), torch.full((3,), 32.0)]
+    budget = coop_arena.Budget(1 << 22, device="cpu", recomputable_inplace=recomputable_inplace)
+    with _evict_all_after_every_op(budget):
+        inv = torch.full((), 16.0).reciprocal()
+        found = torch.zeros(())
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+        checks = [(found * 1).item() for _ in range(3)]
+    assert torch.equal(grads[0], torch.full((4,), 1.0)) and torch.equal(grads[1], torch.full((3,), 2.0))
+    assert checks == [0.0, 0.0, 0.0]
+    assert budget.stats.rematerializations > 0
+
+
+def test_grad_scaler_step_inside_the_block_is_exact():
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 32), torch.randint(0, 10, (64,))
+
+    def train(budget):
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+        for _ in range(3):
+            with _evict_all_after_every_op(budget) if budget is not None else contextlib.nullcontext():
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = nn.functional.cross_entropy(model(x), y)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+        return model
+
+    budget = coop_arena.Budget(1 << 22, device="cpu")
+    model = train(budget)
+    assert budget.stats.rematerializations > 100
+    assert all(torch.equal(a, b) for a, b in zip(train(None).parameters(), model.parameters()))
