@@ -238,3 +238,11 @@ def test_grad_scaler_step_inside_the_block_is_exact():
     model = train(budget)
     assert budget.stats.rematerializations > 100
     assert all(torch.equal(a, b) for a, b in zip(train(None).parameters(), model.parameters()))
+
+
+@pytest.mark.parametrize("steps", ["0", "-2"])
+def test_cli_demo_with_no_steps_is_a_usage_error(capsys, steps):
+    from coop_arena.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--steps", steps])
+    assert e.value.code == 2 and "--steps must be positive" in capsys.readouterr().err
