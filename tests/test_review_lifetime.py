@@ -249,9 +249,10 @@ def test_cli_demo_with_no_steps_is_a_usage_error(capsys, steps):
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "placement._parts_make_outputs keys the tensors its meta probe saw by id(), and ids of dead temporaries are "
-    "reused, so whether `repeat` decomposes depends on the process (PYTHONHASHSEED changes it); when it decomposes, "
-    "its parts fail under the Budget with 'data is not allocated yet'"))
+    "placement._parts_make_outputs keys the tensors its meta probe saw by id() and keeps the first shape per id, "
+    "while ids of dead temporaries are reused, so whether `repeat` decomposes depends on the process "
+    "(PYTHONHASHSEED changes it); when it decomposes, at::native::repeat reads the data of an index tensor it "
+    "builds (const_data_ptr), which under the Budget is a wrapper without storage: 'data is not allocated yet'"))
 def test_repeat_inside_a_budget_works_whatever_the_hash_seed():
     import os
     import subprocess
