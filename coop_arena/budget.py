@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .arena import Arena, check_backend, resolve_device
 from .bookkeeping import Bookkeeping
-from .errors import ArenaAllocationError, BudgetUsageError, CompileNotApplied, _fmt, _internal_assert
+from .errors import ArenaAllocationError, BudgetUsageError, CompileNotApplied, _fmt
 from .memory import Memory
 from .optimizer import Steps
 from .policy import POLICIES
@@ -37,6 +37,7 @@ from .runtime import Runtime, raise_recursion_limit
 from .tensor import Tensor
 
 _active = threading.local()
+_claim = threading.Lock()  # makes a Budget's owner check-and-set atomic across threads
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,10 @@ class Budget:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"nbytes must be a positive int number of bytes, got {nbytes!r} "
                              f"(for example coop_arena.Budget(4 << 30) for 4 GiB)")
+        if nbytes >= 1 << 63:  # the block table keeps offsets as int64
+            raise ValueError(f"nbytes must be at most 2**63 - 1 bytes (arena offsets are 64-bit), got {nbytes}")
+        if isinstance(trace_len, bool) or not isinstance(trace_len, int) or trace_len < 0:
+            raise ValueError(f"trace_len must be an int >= 0 (the memory events kept per block), got {trace_len!r}")
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; accepted: {', '.join(POLICIES)}")
         for name, v in (("partition", partition), ("recomputable_inplace", recomputable_inplace),
@@ -125,6 +130,7 @@ class Budget:
         self._bookkeeping: Bookkeeping | None = None
         self._stats: BudgetStats | None = None
         self._trace: list = []
+        self._owner: int | None = None  # the thread whose block is open; __enter__ and the end of __exit__ only
 
     def __repr__(self) -> str:
         return f"Budget({self.memory.budget} bytes, device={self.device}, policy={self.policy!r})"
@@ -135,6 +141,20 @@ class Budget:
         if other is not None:
             raise BudgetUsageError(f"{other!r} is already active; Budgets do not nest. Leave it before entering "
                                    f"{self!r}, or use one Budget for the whole step")
+        me = threading.get_ident()
+        with _claim:  # active in another thread: entering would reset the arena under that block's tensors
+            if self._owner not in (None, me):
+                raise BudgetUsageError(f"{self!r} is already active in another thread; a Budget runs one block at a "
+                                       f"time. Give each thread a Budget of its own, or wait for that block to end")
+            self._owner = me
+        try:
+            self._open()
+        except BaseException:
+            self._owner = None
+            raise
+        return self
+
+    def _open(self) -> None:
         raise_recursion_limit()
         self.arena.bind_stream()
         self.memory.reset()
@@ -148,10 +168,11 @@ class Budget:
         self._mode.__enter__()
         self._bookkeeping.open()
         _active.budget = self
-        return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        _internal_assert(self._mode is not None, "Budget exited without being entered")
+        if self._mode is None or self._owner != threading.get_ident():
+            raise BudgetUsageError(f"{self!r} is not active in this thread: __exit__ was called without a matching "
+                                   f"__enter__ (or twice, or from another thread); use `with budget:` around the step")
         try:
             self._mode.__exit__(None, None, None)
         finally:
@@ -167,6 +188,7 @@ class Budget:
                 self._trace = list(self.memory.trace.events)
                 self.memory.reset()
                 self._runtime = None
+                self._owner = None
         return False
 
     def _explain_thrashing(self) -> str:

@@ -54,6 +54,8 @@ def main(argv=None) -> int:
             parser.error(str(e))
         return 0
     if args.command == "demo":
+        if args.steps < 1:
+            parser.error(f"--steps must be positive, got {args.steps}")
         if not 0 < args.ratio <= 1:
             parser.error(f"--ratio must be in (0, 1], got {args.ratio}")
         from .demo import main as demo_main

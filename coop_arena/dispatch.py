@@ -33,7 +33,7 @@ from .bookkeeping import run_outside
 from .cost import op_cost
 from .errors import BudgetUsageError, UnsupportedOp, _internal_assert
 from .recipe import ArgRef, Data, Recipe, capture_rng, dead_ref, plain_dispatch
-from .storage import Storage
+from .storage import State, Storage
 from .tensor import Tensor, with_bits
 
 aten = torch.ops.aten
@@ -76,6 +76,7 @@ class Dispatch:
         self.recomputable_inplace = recomputable_inplace
         self.bookkeeping = runtime.bookkeeping         # other engines' work, run outside the arena (or None)
         self._ext_readers: dict[int, list] = {}     # external storage key -> weakrefs of storages reading it
+        self._ext_refs = self._ext_kept = 0          # weakrefs in _ext_readers now / after the last prune
 
     # ============================================================================================ dispatch
     def run(self, func, args, kwargs):
@@ -422,6 +423,7 @@ class Dispatch:
     def _run_write(self, call: _Call):
         func = call.func
         targets = []  # arena storages written
+        outside = False  # it also writes a tensor outside the arena
         for _, value in self._written(call, call.pargs, call.pkwargs):
             for v in (value if isinstance(value, (list, tuple)) else [value]):
                 if v is None:
@@ -432,12 +434,16 @@ class Dispatch:
                         targets.append(s)
                 else:  # See Rule 5: a write outside the arena is an effect; what read the old value is frozen
                     self._freeze_readers_of_external(v)
+                    outside = True
         if targets:
             self._check_not_resized(call)
-        if not self.recomputable_inplace and targets:
+        # One arena storage written by an op with no effect outside it replays the write; otherwise (several
+        # storages at once, or a write outside too, which a replay would repeat: Rule 5) they are kept.
+        replayable = len(targets) == 1 and not outside
+        if not self.recomputable_inplace and targets and not outside:
             return self._run_write_cow(call, targets)
         for s in targets:  # See Rule 6
-            if len(targets) == 1:
+            if replayable:
                 self.remat.before_write(s)
             else:
                 self.remat.freeze_readers(s)
@@ -451,10 +457,10 @@ class Dispatch:
                                                "out=") from e
             raise
         for s in targets:
-            if len(targets) == 1 and s.payload.recipe is not None:
+            if replayable and s.payload.recipe is not None:
                 s.payload.mutations.append(recipe)
                 self.memory.add_write(s, recipe.cost, call.inputs)
-            else:  # a write to several storages at once cannot be replayed into one: keep them
+            else:
                 self.remat.make_unevictable(s)
         self._note_external_reads(call.recorded, targets)
         return self._results_of_write(call, out, call.inputs)
@@ -567,6 +573,18 @@ class Dispatch:
             if isinstance(a, torch.Tensor):
                 lst = self._ext_readers.setdefault(a.untyped_storage()._cdata, [])
                 lst.extend(weakref.ref(s) for s in storages)
+                self._ext_refs += len(storages)
+        if self._ext_refs > 2 * self._ext_kept + 1024:  # amortized: a long block reads its inputs at every step
+            self._prune_external_readers()
+
+    def _prune_external_readers(self) -> None:
+        """Drop the readers that are gone or freed (settle skips them), and external storages left with none."""
+        readers = self._ext_readers
+        for key in list(readers):
+            readers[key] = [r for r in readers[key] if (s := r()) is not None and s.state is not State.FREED]
+            if not readers[key]:
+                del readers[key]
+        self._ext_refs = self._ext_kept = sum(len(v) for v in readers.values())
 
     # ------------------------------------------------------------------------------------------- lookups
     def owners(self, leaves, func) -> dict:

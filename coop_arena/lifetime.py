@@ -28,7 +28,8 @@ Approach: storages whose wrappers are gone are dropped first (a cycle collection
   [Escaped tensors] in tensor.py); evicted ones are replayed (counted in `exit_rematerializations`) only when the
   block ends normally. When an exception leaves the block, nothing is replayed: evicted storages are dropped and
   raise TensorLost on use, so the block ends at once. So do the outputs an op had placed before it failed (freed
-  with the error, but their wrappers may live on in its traceback).
+  with the error, but their wrappers may live on in its traceback). Nor is anything freed then: the arena is reset
+  right after, and an interrupt (Ctrl-C) may have stopped a block-table update halfway, which a free would trip over.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class Lifetime:
         self.dead: list[Storage] = []               # storages whose last wrapper died, handled at the next op
         self._refs: dict[int, _WrapperRef] = {}     # id(ref) -> weak reference of every live wrapper
         self._externals: dict[int, weakref.ref] = {}  # leaves from before the block that ops read (for .grad)
-        self._hooks: list = []                        # their post-accumulate-grad hooks
+        self._hooks: dict[int, object] = {}           # their post-accumulate-grad hooks, by the same key
 
     # ============================================================================================ wrappers
     def wrap(self, s: Storage, dtype, size, stride, offset: int) -> Tensor:
@@ -86,9 +87,16 @@ class Lifetime:
 
     def watch_leaf(self, x: torch.Tensor) -> None:
         """A leaf from before the block that an op read: its gradient leaves the arena when accumulated."""
-        if x.requires_grad and x.is_leaf and id(x) not in self._externals:
-            self._externals[id(x)] = weakref.ref(x)
-            self._hooks.append(x.register_post_accumulate_grad_hook(_grad_leaves_arena))
+        key = id(x)
+        if x.requires_grad and x.is_leaf and key not in self._externals:
+            # forgotten when `x` dies: backward reads a new view of a parameter per op, so a long block would
+            # otherwise keep a record and a hook handle per step
+            self._externals[key] = weakref.ref(x, lambda _, key=key: self._unwatch(key))
+            self._hooks[key] = x.register_post_accumulate_grad_hook(_grad_leaves_arena)
+
+    def _unwatch(self, key: int) -> None:
+        self._externals.pop(key, None)
+        self._hooks.pop(key, None)
 
     # =============================================================================================== dead
     def drain(self) -> None:
@@ -140,10 +148,16 @@ class Lifetime:
             self._finish(remat, failed)
 
     def _finish(self, remat, failed: bool) -> None:
-        self.drain()
-        if not failed and any(s.state is State.EVICTED for s in self.live.values()):
-            gc.collect()  # wrappers kept alive only by reference cycles (finished graphs) die here
+        if failed:  # the arena is reset next: free nothing, since an interrupt may have stopped a table update halfway
+            for s in self.dead:
+                if s.payload.wrappers == 0 and s.state is not State.FREED:
+                    self.live.pop(s.sid, None)
+            self.dead = []
+        else:
             self.drain()
+            if any(s.state is State.EVICTED for s in self.live.values()):
+                gc.collect()  # wrappers kept alive only by reference cycles (finished graphs) die here
+                self.drain()
         live = sorted(self.live.values(), key=lambda s: (s.state is not State.RESIDENT, s.sid))
         for s in live:
             d = s.payload
@@ -169,9 +183,9 @@ class Lifetime:
             s.payload.runtime = None
             s.payload.recipe = None
             s.payload.mutations = []
-        for h in self._hooks:
+        for h in list(self._hooks.values()):
             h.remove()
-        for ref in self._externals.values():
+        for ref in list(self._externals.values()):
             t = ref()
             if t is not None and isinstance(t.grad, Tensor):
                 g = t.grad

@@ -80,8 +80,9 @@ _WRITES_IN_PLACE: dict = {}
 def plan_for(func, op, args, kwargs, device_type: str) -> OpPlan | None:
     """The plan of a functional op called with plain `args`/`kwargs`, or None when it cannot run on meta."""
     leaves, spec = ops.flatten(args, kwargs)
-    # factory ops reach aten with dtype=None and take the default dtype when they run
-    key = (func, device_type, torch.get_default_dtype(), _key(leaves), tuple(spec[0]), tuple(spec[1]))
+    key = _plan_key(func, leaves, spec, device_type)
+    if key is None:
+        return _make_plan(func, op, leaves, spec, device_type)
     try:
         return _PLANS[key]
     except KeyError:
@@ -96,18 +97,34 @@ def without_out(func, args, kwargs, device_type: str, plan: OpPlan) -> OpPlan:
     """The plan of this configuration from now on without its out= variant (it resizes its outputs on the way)."""
     p = dataclasses.replace(plan, out_op=None, out_names=(), hidden={}, checked=[])
     leaves, spec = ops.flatten(args, kwargs)
+    key = _plan_key(func, leaves, spec, device_type)
     try:
-        _PLANS[(func, device_type, torch.get_default_dtype(), _key(leaves), tuple(spec[0]), tuple(spec[1]))] = p
+        if key is not None:
+            _PLANS[key] = p
     except TypeError:  # an unhashable argument: nothing was cached
         pass
     return p
 
 
-def _key(leaves) -> tuple:
+def _plan_key(func, leaves, spec, device_type: str) -> tuple | None:
+    """The key of an op configuration in the plan cache, or None for no cache (see _key). Factory ops reach aten
+    with dtype=None and take the default dtype when they run: it is part of the key."""
+    k = _key(leaves)
+    if k is None:
+        return None
+    return (func, device_type, torch.get_default_dtype(), k, tuple(spec[0]), tuple(spec[1]))
+
+
+def _key(leaves) -> tuple | None:
+    """The cache key of an op's arguments, or None for no cache: a script object (the handle of
+    `record_function`, which wraps every optimizer step) is new at each call and hashes by identity, so caching it
+    would keep one plan and one handle per step for good."""
     out = []
     for x in leaves:
         if isinstance(x, torch.Tensor):
             out.append((x.dtype, tuple(x.size()), tuple(x.stride())))
+        elif isinstance(x, torch.ScriptObject):
+            return None
         elif isinstance(x, list):
             out.append(tuple(x))
         else:  # with its type: 2 == 2.0 == True, yet pow(int64, 2) is int64 and pow(int64, 2.0) float32

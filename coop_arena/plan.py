@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 import re
 
 import torch
@@ -25,6 +26,8 @@ def parse_budget(text: str) -> tuple[str, float]:
         raise ValueError(f"cannot read budget {text!r}: give bytes with a unit (8GiB, 512MiB, 1e9) or a ratio "
                          f"of the plain peak in (0, 1] (0.5)")
     value, unit = float(m.group(1)), m.group(2).lower()
+    if not math.isfinite(value):
+        raise ValueError(f"budget {text!r} is not a finite number")
     if not unit and 0 < value <= 1:
         return "ratio", value
     if value * _UNITS[unit] < 1:
@@ -42,7 +45,17 @@ def load(spec: str, batch: int):
         model, inputs = suite.SUITE[spec].build(batch)
     elif ":" in spec:
         mod, fn = spec.split(":", 1)
-        factory = getattr(importlib.import_module(mod), fn)
+        try:
+            module = importlib.import_module(mod)
+        except ImportError as e:
+            raise ValueError(f"cannot import {mod!r} for model {spec!r}: {e}") from e
+        factory = getattr(module, fn, None)
+        if factory is None:
+            raise ValueError(f"module {mod!r} has no attribute {fn!r} (model {spec!r}: module:function, where "
+                             f"function(batch) returns (model, example_inputs))")
+        if not callable(factory):
+            raise ValueError(f"{spec!r} is a {type(factory).__name__}, not callable: give module:function, where "
+                             f"function(batch) returns (model, example_inputs)")
         with torch.device("meta"):  # a large model is never materialized
             model, inputs = factory(batch)
     else:
