@@ -127,7 +127,9 @@ class Dispatch:
                 plain[i], recorded[i] = self.arena_arg(x, owner[i])
             elif isinstance(x, torch.Tensor):  # See Rule 1: read, never moved
                 p = x.as_plain() if isinstance(x, Tensor) else x
-                if p.device != self.device and p.dim() > 0:
+                if p.device != self.device and p.dim() > 0 and (p.is_floating_point() or p.is_complex()):
+                    # (integer and bool tensors on the CPU are indices, masks and lengths, which PyTorch's
+                    # kernels take with tensors on the device: `x[cpu_index]`, pack_padded_sequence's lengths)
                     raise BudgetUsageError(
                         f"{call.func} got a tensor on {p.device}, but this Budget's arena is on {self.device}; "
                         f"move the model and its inputs to {self.device} before entering the Budget")

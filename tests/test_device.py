@@ -95,6 +95,36 @@ def test_outputs_asked_for_on_another_device_are_made_there():
     assert made["to"].shape == (4,) and isinstance(here, coop_arena.Tensor) and torch.equal(here, torch.zeros(3))
 
 
+def test_cpu_indices_masks_and_lengths_are_taken_as_pytorch_takes_them():
+    """PyTorch indexes a device tensor with CPU integer or bool tensors and wants pack_padded_sequence's lengths on
+    the CPU; a block on CUDA (here meta stands in for it, with evictions at 60 % of the peak) takes them the same
+    way, through a backward. A floating-point CPU tensor among the arena's (a model left on the CPU) is still
+    refused with what to do."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    def step(budget):
+        torch.manual_seed(0)
+        lstm, head = torch.nn.LSTM(8, 16).to("meta"), torch.nn.Linear(16, 4).to("meta")
+        with budget:
+            seq = torch.randn(12, 6, 8, device="meta")
+            packed = lstm(pack_padded_sequence(seq, torch.tensor([12, 10, 9, 7, 4, 2])))[0]
+            h = head(packed.data)
+            picked = h[torch.tensor([0, 3, 5])] + h[torch.arange(h.shape[0]) % 2 == 0][:3]
+            picked.sum().backward()
+        return packed.batch_sizes, picked.shape
+
+    probe = coop_arena.Budget(1 << 26, device="meta")
+    step(probe)
+    budget = coop_arena.Budget(probe.stats.peak_bytes * 3 // 5, device="meta")
+    sizes, shape = step(budget)
+    assert sizes.device.type == "cpu" and sizes.tolist() == [6, 6, 5, 5, 4, 4, 4, 3, 3, 2, 1, 1]
+    assert shape == (3, 4) and budget.stats.evictions > 0 and budget.stats.rematerializations > 0
+    weights = torch.randn(4, 4)  # a float tensor from before the block, on the CPU
+    with pytest.raises(coop_arena.BudgetUsageError, match="move the model and its inputs to meta"):
+        with coop_arena.Budget(1 << 20, device="meta"):
+            torch.randn(3, 4, device="meta") @ weights
+
+
 def test_which_device_arguments_are_another_device_than_a_cuda_arena(two_gpus):
     """The CUDA branch of the check above, for an arena on cuda:1 while cuda:1 is current: `device="cuda"` is
     the arena's device (what `torch.rand(n, device="cuda")` in a model means), cuda:0 and the CPU are not."""
