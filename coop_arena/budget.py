@@ -83,6 +83,8 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if any(t is not Tensor for t in types):
+            return NotImplemented  # another tensor subclass (FSDP2's DTensor) unwraps itself first; its ops come back here
         if self.arena.stream is not None:  # CUDA: Note [Streams] in arena.py
             self.arena.check_stream(func)
         if self.steps.frames and self.steps.plain(args, kwargs):

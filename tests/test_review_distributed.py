@@ -1,0 +1,95 @@
+"""FSDP2 and DDP under a Budget, cases found in review: a world of one gloo rank in this process (file:// init),
+which runs fully_shard and DistributedDataParallel with their DTensor parameters, hooks and collectives."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import coop_arena
+from training import bitwise_equal
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A process group of this process alone, for the module's tests."""
+    if dist.is_initialized():
+        pytest.fail("a process group is already initialized in this process")
+    store = tmp_path_factory.mktemp("world") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class Block(nn.Module):
+    def __init__(self, width=64):
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x):
+        return torch.relu(self.b(torch.tanh(self.a(x)))) + x
+
+
+class Residual(nn.Module):
+    def __init__(self, width=64, depth=4):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _vectors(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(64, 64, generator=g), torch.randint(0, 10, (64,), generator=g)
+
+
+def _sharded(depth=4):
+    """Residual with each block, then the root, sharded by fully_shard, and its SGD optimizer."""
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = Residual(depth=depth)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def _local(tensors) -> list:
+    return [t.detach().to_local().clone() for t in tensors]
+
+
+def test_fsdp2_state_dict_and_gradient_clipping_inside_a_block(world):
+    """Outside their forward, FSDP2's parameters and gradients are DTensors: `model.state_dict()` and
+    `clip_grad_norm_` inside the block run on their local shards, as without a Budget, and training stays exact."""
+
+    def run(budget):
+        model, opt = _sharded()
+        saved, norms, counts = [], [], []
+        for step in range(2):
+            x, y = _vectors(step)
+            with budget or contextlib.nullcontext():
+                opt.zero_grad()
+                saved.append(_local(model.state_dict().values()))
+                F.cross_entropy(model(x), y).backward()
+                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1).full_tensor().clone())
+                opt.step()
+            if budget is not None:
+                counts.append((budget.stats.evictions, budget.stats.rematerializations))
+        return _local(model.parameters()) + [t for s in saved for t in s] + norms, counts
+
+    ref, _ = run(None)
+    ample = coop_arena.Budget(1 << 26, device="cpu")
+    run(ample)
+    got, counts = run(coop_arena.Budget(int(0.85 * ample.stats.peak_bytes), device="cpu"))
+    assert bitwise_equal(ref, got)
+    assert all(ev > 0 and remat > 0 for ev, remat in counts), counts
+
