@@ -126,4 +126,17 @@ def _touched(optimizer) -> list:
                 out.append(p.grad)
     for st in optimizer.state.values():
         out.extend(v for v in st.values() if isinstance(v, torch.Tensor))
-    return [t for t in out if not isinstance(t, Tensor) and t.layout == torch.strided]
+    return [t for t in _inner(out) if not isinstance(t, Tensor) and t.layout == torch.strided]
+
+
+def _inner(tensors) -> list:
+    """`tensors` with each tensor subclass that keeps its data in inner tensors (FSDP2's DTensor parameters,
+    gradients and state: a local shard) replaced by those: the step writes them, not the subclass's own storage."""
+    out = []
+    for t in tensors:
+        if isinstance(t, Tensor) or not hasattr(t, "__tensor_flatten__"):
+            out.append(t)
+        else:
+            inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])  # (DTensor's names its mesh too)
+            out.extend(_inner([x for x in inner if isinstance(x, torch.Tensor)]))
+    return out

@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import coop_arena
+from test_exactness import EvictAll
 from training import bitwise_equal
 
 
@@ -93,3 +94,22 @@ def test_fsdp2_state_dict_and_gradient_clipping_inside_a_block(world):
     assert bitwise_equal(ref, got)
     assert all(ev > 0 and remat > 0 for ev, remat in counts), counts
 
+
+def test_an_optimizer_step_settles_what_read_a_sharded_parameter(world):
+    """An optimizer step writes FSDP2's parameters through their DTensor's local shard: a tensor computed from
+    that shard before the step and recomputed after it must give the value from before the step."""
+
+    def run(budget):
+        model, opt = _sharded(depth=2)
+        x, y = _vectors(0)
+        with budget or contextlib.nullcontext():
+            F.cross_entropy(model(x), y).backward()
+            before = model.blocks[0].a.weight.to_local() * 2
+            opt.step()
+            return before.clone()
+
+    ref = run(None)
+    budget = coop_arena.Budget(1 << 24, device="cpu")
+    got = run(EvictAll(budget))  # `before` is evicted after every op, and recomputed for the clone
+    assert torch.equal(ref, got)
+    assert budget.stats.rematerializations > 50
