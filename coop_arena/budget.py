@@ -74,6 +74,9 @@ class BudgetStats:
         return asdict(self)
 
 
+_NO_DISPATCH = torch._C._disabled_torch_dispatch_impl  # torch.Tensor's and nn.Parameter's __torch_dispatch__
+
+
 class _Mode(TorchDispatchMode):
     def __init__(self, runtime: Runtime):
         super().__init__()
@@ -83,7 +86,7 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if any(t is not Tensor for t in types):
+        if any(t is not Tensor and t.__torch_dispatch__ is not _NO_DISPATCH for t in types):
             return NotImplemented  # another tensor subclass (FSDP2's DTensor) unwraps itself first; its ops come back here
         if self.arena.stream is not None:  # CUDA: Note [Streams] in arena.py
             self.arena.check_stream(func)

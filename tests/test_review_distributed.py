@@ -113,3 +113,45 @@ def test_an_optimizer_step_settles_what_read_a_sharded_parameter(world):
     got = run(EvictAll(budget))  # `before` is evicted after every op, and recomputed for the clone
     assert torch.equal(ref, got)
     assert budget.stats.rematerializations > 50
+
+
+def test_ddp_with_checkpointed_blocks_and_a_failed_no_sync_block(world):
+    """DDP over blocks under torch.utils.checkpoint (non-reentrant: their forward is replayed in backward, with
+    dropout), each step after a no_sync block that raises after its backward: exact, with evictions."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(Residual):
+        def forward(self, x):
+            for block in self.blocks:
+                x = checkpoint(lambda h, block=block: F.dropout(block(h), 0.2), x, use_reentrant=False)
+            return self.head(x)
+
+    def run(budget, steps=2):
+        torch.manual_seed(0)
+        model = Checkpointed()
+        ddp = DDP(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        counts = []
+        for step in range(steps):
+            with pytest.raises(KeyError):
+                with ddp.no_sync(), budget or contextlib.nullcontext():
+                    x, y = _vectors(50 + step)
+                    F.cross_entropy(ddp(x), y).backward()
+                    raise KeyError("after backward")
+            opt.zero_grad()
+            x, y = _vectors(step)
+            torch.manual_seed(100 + step)
+            with budget or contextlib.nullcontext():
+                F.cross_entropy(ddp(x), y).backward()
+            if budget is not None:
+                counts.append((budget.stats.evictions, budget.stats.rematerializations))
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()], counts
+
+    ref, _ = run(None)
+    ample = coop_arena.Budget(1 << 26, device="cpu")
+    run(ample, steps=1)
+    got, counts = run(coop_arena.Budget(int(0.85 * ample.stats.peak_bytes), device="cpu"))
+    assert bitwise_equal(ref, got)
+    assert all(ev > 0 and remat > 0 for ev, remat in counts), counts
