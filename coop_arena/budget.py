@@ -75,6 +75,7 @@ class BudgetStats:
 
 
 _NO_DISPATCH = torch._C._disabled_torch_dispatch_impl  # torch.Tensor's and nn.Parameter's __torch_dispatch__
+_FAKE = torch._C._TorchDispatchModeKey.FAKE
 
 
 class _Mode(TorchDispatchMode):
@@ -86,6 +87,8 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch._C._get_dispatch_mode(_FAKE) is not None:  # it sits below this mode, yet was entered inside it
+            return func(*args, **kwargs)  # a FakeTensorMode's shapes (DTensor's sharding propagation): not the step's
         if any(t is not Tensor and t.__torch_dispatch__ is not _NO_DISPATCH for t in types):
             return NotImplemented  # another tensor subclass (FSDP2's DTensor) unwraps itself first; its ops come back here
         if self.arena.stream is not None:  # CUDA: Note [Streams] in arena.py

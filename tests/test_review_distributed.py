@@ -155,3 +155,30 @@ def test_ddp_with_checkpointed_blocks_and_a_failed_no_sync_block(world):
     got, counts = run(coop_arena.Budget(int(0.85 * ample.stats.peak_bytes), device="cpu"))
     assert bitwise_equal(ref, got)
     assert all(ev > 0 and remat > 0 for ev, remat in counts), counts
+
+
+def test_fsdp2_weight_penalty_over_sharded_parameters(world):
+    """A loss that reads FSDP2's DTensor parameters outside their forward (an L2 penalty) inside the block:
+    DTensor works out the sharding of an op it has not seen under a FakeTensorMode, whose ops must reach it, not
+    the arena. The Budget runs come first, so that DTensor's sharding cache does not already hold these ops."""
+
+    def run(budget):
+        model, opt = _sharded()
+        counts = []
+        for step in range(2):
+            x, y = _vectors(step)
+            opt.zero_grad()
+            with budget or contextlib.nullcontext():
+                penalty = sum(p.pow(2).mean().full_tensor() for p in model.parameters())
+                (F.cross_entropy(model(x), y) + 1e-3 * penalty).backward()
+            if budget is not None:
+                counts.append((budget.stats.evictions, budget.stats.rematerializations))
+            opt.step()
+        return _local(model.parameters()), counts
+
+    ample = coop_arena.Budget(1 << 26, device="cpu")
+    run(ample)
+    got, counts = run(coop_arena.Budget(int(0.85 * ample.stats.peak_bytes), device="cpu"))
+    ref, _ = run(None)
+    assert bitwise_equal(ref, got)
+    assert all(ev > 0 and remat > 0 for ev, remat in counts), counts
