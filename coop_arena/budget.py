@@ -90,7 +90,7 @@ class _Mode(TorchDispatchMode):
         if torch._C._get_dispatch_mode(_FAKE) is not None:  # it sits below this mode, yet was entered inside it
             return func(*args, **kwargs)  # a FakeTensorMode's shapes (DTensor's sharding propagation): not the step's
         if any(t is not Tensor and t.__torch_dispatch__ is not _NO_DISPATCH for t in types):
-            return NotImplemented  # another tensor subclass (FSDP2's DTensor) unwraps itself first; its ops come back here
+            return NotImplemented  # another tensor subclass (FSDP2's DTensor) unwraps first; its ops come back here
         if self.arena.stream is not None:  # CUDA: Note [Streams] in arena.py
             self.arena.check_stream(func)
         if self.steps.frames and self.steps.plain(args, kwargs):
