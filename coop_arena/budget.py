@@ -30,6 +30,7 @@ from .arena import Arena, check_backend, resolve_device
 from .bookkeeping import Bookkeeping
 from .errors import ArenaAllocationError, BudgetUsageError, CompileNotApplied, _fmt
 from .memory import Memory
+from .ops import flatten
 from .optimizer import Steps
 from .policy import POLICIES
 from .recipe import plain_dispatch
@@ -90,6 +91,9 @@ class _Mode(TorchDispatchMode):
         if torch._C._get_dispatch_mode(_FAKE) is not None:  # it sits below this mode, yet was entered inside it
             return func(*args, **kwargs)  # a FakeTensorMode's shapes (DTensor's sharding propagation): not the step's
         if any(t is not Tensor and t.__torch_dispatch__ is not _NO_DISPATCH for t in types):
+            for x in flatten(args, kwargs)[0]:  # (a DTensor parameter: its gradient leaves the arena, lifetime.py)
+                if isinstance(x, torch.Tensor) and type(x) in types:
+                    self.runtime.lifetime.watch_leaf(x)
             return NotImplemented  # another tensor subclass (FSDP2's DTensor) unwraps first; its ops come back here
         if self.arena.stream is not None:  # CUDA: Note [Streams] in arena.py
             self.arena.check_stream(func)

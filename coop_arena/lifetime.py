@@ -38,6 +38,7 @@ import gc
 import weakref
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass, transform_subclass
 
 from .errors import CoopArenaError
 from .recipe import dead_ref, plain_dispatch
@@ -239,3 +240,10 @@ def _grad_leaves_arena(leaf: torch.Tensor) -> None:
     if isinstance(g, Tensor) and g._cell.storage.payload.runtime is not None:
         with plain_dispatch():
             leaf.grad = g.as_plain().clone()
+    elif is_traceable_wrapper_subclass(g) and any(_in_arena(getattr(g, n)) for n in g.__tensor_flatten__()[0]):
+        with plain_dispatch():  # a DTensor parameter's gradient (FSDP2): its local tensor leaves the arena
+            leaf.grad = transform_subclass(g, lambda _, t: t.as_plain().clone() if _in_arena(t) else t)
+
+
+def _in_arena(t) -> bool:
+    return isinstance(t, Tensor) and t._cell.storage.payload.runtime is not None

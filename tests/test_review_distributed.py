@@ -160,7 +160,8 @@ def test_ddp_with_checkpointed_blocks_and_a_failed_no_sync_block(world):
 def test_fsdp2_weight_penalty_over_sharded_parameters(world):
     """A loss that reads FSDP2's DTensor parameters outside their forward (an L2 penalty) inside the block:
     DTensor works out the sharding of an op it has not seen under a FakeTensorMode, whose ops must reach it, not
-    the arena. The Budget runs come first, so that DTensor's sharding cache does not already hold these ops."""
+    the arena (the Budget runs come first, so that DTensor's sharding cache does not already hold these ops);
+    the gradient autograd accumulates into a DTensor parameter leaves the arena, as a plain parameter's does."""
 
     def run(budget):
         model, opt = _sharded()
@@ -173,6 +174,9 @@ def test_fsdp2_weight_penalty_over_sharded_parameters(world):
                 (F.cross_entropy(model(x), y) + 1e-3 * penalty).backward()
             if budget is not None:
                 counts.append((budget.stats.evictions, budget.stats.rematerializations))
+                # the penalty's gradient reached the DTensor parameters through autograd: plain, outside the arena
+                grads = [p.grad._local_tensor for p in model.parameters()]
+                assert all(type(g) is torch.Tensor and not budget.arena.owns(g) for g in grads), grads
             opt.step()
         return _local(model.parameters()), counts
 
