@@ -27,6 +27,10 @@ Approach:
     past the output's range. The first call of a configuration on a device with memory therefore writes into
     views whose storage is exactly the outputs' ranges and cannot grow; if the kernel tries, nothing has been
     written, the plan drops its out= variant (`without_out`) and the op takes the temporary path.
+  - Some out= kernels compute wrong values for inputs laid out differently from what they assume: PyTorch's CPU
+    native_batch_norm.out reads a non-contiguous input (a slice, a transpose) wrongly, output, saved and running
+    statistics alike, while the functional op handles it. Such ops (`_OUT_NEEDS_CONTIGUOUS`) take their out=
+    variant only when every tensor input is contiguous (in some memory format); otherwise the temporary path.
 Limitations: ops whose output shape depends on data (nonzero, masked_select) cannot run on `meta`: they take the
   temporary path and pay their cost model's call each time. A dry run on `meta` takes the CPU's choices, so its
   statistics match a CPU run.
@@ -71,6 +75,7 @@ class OpPlan:
                                                  # ranges (dispatch.py, Note [Direct placement]); filled there
 
 
+_OUT_NEEDS_CONTIGUOUS = {torch.ops.aten.native_batch_norm.default}  # see Note [Direct placement]
 _PLANS: dict = {}
 _DECOMPOSES: dict = {}
 _OUT_VARIANTS: dict = {}
@@ -201,7 +206,7 @@ def _make_plan(func, op, leaves, spec, device_type) -> OpPlan | None:
             specs.append(None)
     cost = op_cost(op.flops, margs, mkwargs, mleaves, outs, out)
     out_op, names = None, ()
-    if not aliases:
+    if not aliases and (func not in _OUT_NEEDS_CONTIGUOUS or all(_contiguous(x) for x in mleaves)):
         variant = out_variant(func)
         if variant is not None and all(s is not None for s in specs):
             candidate, names = variant
@@ -211,6 +216,11 @@ def _make_plan(func, op, leaves, spec, device_type) -> OpPlan | None:
     parts = (out_op is None and not aliases and not op.uninitialized and decomposes(func, op, device_type)
              and _parts_make_outputs(func, device_type, margs, mkwargs))
     return OpPlan(tuple(specs), aliases, parts, out_op, names if out_op is not None else (), cost)
+
+
+def _contiguous(x) -> bool:
+    return not isinstance(x, torch.Tensor) or any(
+        x.is_contiguous(memory_format=f) for f in (torch.contiguous_format, torch.channels_last, torch.channels_last_3d))
 
 
 def decomposes(func, op, device_type: str) -> bool:
