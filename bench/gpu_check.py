@@ -336,7 +336,7 @@ def measure_kernels(deadline: float) -> None:
                  seconds=ours, gb_per_s=2 * n / ours / 1e9, torch_seconds=theirs, torch_gb_per_s=2 * n / theirs / 1e9)
         except Exception as e:
             emit("kernel", name=f"arena_move {label}", status="error", **error_fields(e))
-    del buf
+    buf = None  # frees the 512 MiB before the next part
     src = torch.randn(8192, 8192, device="cuda")
     for label, s in (("contiguous", src), ("transposed", src.t().contiguous().t())):
         if time.monotonic() > deadline:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_map
 
-from .errors import RawMemoryError, TensorLost
+from .errors import RawMemoryError
 
 aten = torch.ops.aten
 
