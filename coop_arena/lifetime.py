@@ -237,7 +237,7 @@ def _grad_leaves_arena(leaf: torch.Tensor) -> None:
     """A leaf's gradient is final once autograd has accumulated it: it moves out of the arena at once, like the
     parameter it belongs to (model-sized state, not counted), and is never evicted or recomputed."""
     g = leaf.grad
-    if isinstance(g, Tensor) and g._cell.storage.payload.runtime is not None:
+    if _in_arena(g):
         with plain_dispatch():
             leaf.grad = g.as_plain().clone()
     elif is_traceable_wrapper_subclass(g) and any(_in_arena(getattr(g, n)) for n in g.__tensor_flatten__()[0]):
@@ -246,4 +246,4 @@ def _grad_leaves_arena(leaf: torch.Tensor) -> None:
 
 
 def _in_arena(t) -> bool:
-    return isinstance(t, Tensor) and t._cell.storage.payload.runtime is not None
+    return isinstance(t, Tensor) and t._inside()
