@@ -64,6 +64,7 @@ class BudgetStats:
     lower_bound: int           # largest single-op working set (inputs and outputs) plus unevictable bytes
     relocations: int = 0       # blocks copied out of a window instead of evicted (coop)
     relocated_bytes: int = 0   # their bytes; each costs a read and a write in compute_overhead
+    compactions: int = 0       # placements that slid blocks together to make room (coop, the last resort)
     exit_rematerializations: int = 0  # replays at block exit, to copy out what the user still holds
     dropped: int = 0           # storages given up at exit after an error (TensorLost on use)
     placed_bytes: int = 0      # output bytes written into the arena, replays included
@@ -233,7 +234,7 @@ class Budget:
             search_seconds=m.search_seconds, search_seconds_per_event=m.search_seconds_per_event,
             fragmentation=m.fragmentation, unevictable_bytes=c.unevictable_peak, frozen=c.frozen,
             lower_bound=c.working_set_peak + c.unevictable_peak, relocations=m.relocations,
-            relocated_bytes=m.relocated_bytes, exit_rematerializations=c.exit_rematerializations,
+            relocated_bytes=m.relocated_bytes, compactions=m.compactions, exit_rematerializations=c.exit_rematerializations,
             dropped=c.dropped, placed_bytes=c.placed_bytes, temporary_bytes=c.temporary_bytes,
             temporary_peak=c.temporary_peak)
 

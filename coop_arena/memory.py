@@ -19,6 +19,8 @@ Allocation policy (Note [Placement]):
 - Relocation (coop only, Note [Relocation]): when no window exists because pinned or unevictable blocks split
   the arena, a window may also cover such blocks; they are copied to free blocks outside it (a copy, never a
   recomputation) and the rest of the window is evicted.
+- Compaction (coop only, Note [Compaction]): when relocation finds no destination either, the cheapest blocks
+  of one segment between fixed blocks are evicted and the rest slide together, leaving one free range.
 - A request that no plan can serve raises OutOfBudget before anything changes (Rule 7).
 
 Rules enforced here (see Rule N in ../shared DESIGN numbering):
@@ -302,8 +304,12 @@ class Memory:
             t0 = time.perf_counter()
             plan = self._plan(need)
             moves = ()
+            slide = False
             if plan is None and self.relocate and self.may_relocate and self.mover is not None:
                 plan, moves = self._relocation_plan(need)
+                if plan is None:
+                    plan, moves = self._compaction_plan(need)
+                    slide = plan is not None
             dt = time.perf_counter() - t0
             if plan is None:
                 self.trace.add("out_of_budget", s.sid, -1, s.nbytes, self.clock)
@@ -313,7 +319,7 @@ class Memory:
                 raise OutOfBudget(s.nbytes, table.nbytes, int(blocked[~held].sum()),
                                   _policy.largest_window(sizes, kind), op, pinned=int(blocked[held].sum()),
                                   restore=s.sid < self._next_sid)  # a restored storage already has its id
-            at = self._apply(plan, need, dt, moves)
+            at = self._apply(plan, need, dt, moves, slide)
         slot = self._free_slots.pop() if self._free_slots else self._new_slot()
         s.offset = table.place(at, need, slot + 1, high=self.partition and not s.expensive)
         s.slot = slot
@@ -397,6 +403,77 @@ class Memory:
         evict = tuple(sorted([i for i in plan.victims if not movable[i]] + extra))
         return (_policy.EvictionPlan(evict, plan.start, plan.end, plan.cost, plan.policy), tuple(moves)), None
 
+    # Note [Compaction]
+    # Rationale: relocation needs a destination outside the window for each block it moves. When an op's own
+    #   inputs are about as large as the request (a backward op reading two activations of the output's size),
+    #   no such destination exists, although the budget holds all three once the blocks sit side by side: the
+    #   step fails on fragmentation alone, where an allocator that compacts would fit.
+    # Approach: the last resort, after the window search and relocation found nothing. Fixed blocks split the
+    #   arena into segments. In a segment whose bytes minus its BLOCKED bytes cover the request, the evictable
+    #   blocks with the least c/s per byte are evicted until its free bytes do; every other block of the segment
+    #   slides down, in address order, to the segment's start, which leaves one free range at its end. The
+    #   segment with the cheapest evictions wins (lowest address on ties). Each slide copies a block to an
+    #   address at or below its own (source and destination may overlap: Arena.move copies as if through a
+    #   temporary), and the blocks above it have not moved yet, so no copy overwrites bytes still to be copied.
+    # Limitations: it may copy most of the arena; copies count in the overhead as 2 x bytes, as relocations do.
+    #   Same conditions as relocation (coop, `may_relocate`, a mover).
+    def _compaction_plan(self, need: int):
+        """(EvictionPlan of the free range left at the end of the chosen segment, slides in address order), or
+        (None, ())."""
+        table = self.table
+        own, sizes, offsets = table.owners, table.sizes, table.offsets
+        kind = self._kind[own]
+        k = len(self._slots) + 1
+        h = _policy.heuristic(self._c[:k], self._last[:k], self.clock)[own]
+        barrier = np.zeros(len(own), bool)
+        if self._fixed:
+            fixed_slots = [s.slot + 1 for s in self._slots if s is not None and s.sid in self._fixed]
+            barrier = np.isin(own, fixed_slots)
+        cuts = [-1, *np.nonzero(barrier)[0].tolist(), len(own)]
+        best = None
+        for lo, hi in zip(cuts, cuts[1:]):
+            seg = np.arange(lo + 1, hi)
+            if seg.size == 0:
+                continue
+            room = int(sizes[seg][kind[seg] != BLOCKED].sum())
+            if room < need:
+                continue
+            short = need - int(sizes[seg][kind[seg] == FREE].sum())
+            evictable = seg[kind[seg] == EVICTABLE]
+            order = evictable[np.lexsort((evictable, h[evictable] / sizes[evictable]))]
+            take = int(np.searchsorted(np.cumsum(sizes[order]), short)) + 1 if short > 0 else 0
+            victims = np.sort(order[:take])
+            cost = float(h[victims].sum())
+            if best is None or cost < best[0]:
+                best = (cost, seg, victims)
+        if best is None:
+            return None, ()
+        cost, seg, victims = best
+        gone = set(victims.tolist())
+        cursor, slides = int(offsets[seg[0]]), []
+        for i in seg.tolist():
+            if own[i] == _FREE_OWNER or i in gone:
+                continue
+            if offsets[i] != cursor:
+                slides.append((self._slots[int(own[i]) - 1], cursor))
+            cursor += int(sizes[i])
+        end = int(offsets[seg[-1]] + sizes[seg[-1]])
+        return _policy.EvictionPlan(tuple(victims.tolist()), cursor, end, cost, self.policy), tuple(slides)
+
+    def _slide(self, slides) -> None:
+        """Apply a compaction's slides, in address order (Note [Compaction])."""
+        table = self.table
+        self.stats.compactions += 1
+        for s, dest in slides:
+            old = s.offset
+            table.release(old)
+            table.place_at(dest, table.round_up(s.nbytes), s.slot + 1)
+            self.mover(old, dest, s.nbytes)
+            s.offset = dest
+            self.stats.relocations += 1
+            self.stats.relocated_bytes += table.round_up(s.nbytes)
+            self.trace.add("move", s.sid, dest, s.nbytes, self.clock)
+
     def _relocate(self, moves) -> None:
         """Every destination is taken before any old range is released; destinations lie outside the window and
         sources inside it, so no copy overwrites bytes still to be copied."""
@@ -412,14 +489,15 @@ class Memory:
             self.stats.relocated_bytes += table.round_up(s.nbytes)
             self.trace.add("move", s.sid, new, s.nbytes, self.clock)
 
-    def _apply(self, plan: _policy.EvictionPlan, need: int, search_seconds: float, moves=()) -> int:
-        """Relocate the planned blocks and evict the plan's victims; returns the offset of the free block that
-        now covers the plan's range."""
+    def _apply(self, plan: _policy.EvictionPlan, need: int, search_seconds: float, moves=(), slide=False) -> int:
+        """Relocate (or, for a compaction, slide) the planned blocks and evict the plan's victims; returns the
+        offset of the free block that now covers the plan's range."""
         table, st = self.table, self.stats
         off, sizes = table.offsets, table.sizes
         victims = [self._slots[int(table.owners[i]) - 1] for i in plan.victims]
         evicted = sum(int(sizes[i]) for i in plan.victims)
-        inside = sum(int(sizes[i]) for i in plan.victims if plan.start <= off[i] < plan.end)
+        # (a compaction's victims all end up in its range: the blocks above them slide down over their bytes)
+        inside = evicted if slide else sum(int(sizes[i]) for i in plan.victims if plan.start <= off[i] < plan.end)
         # the request takes the range's free bytes first; eviction had to supply only the rest
         useful = max(0, need - ((plan.end - plan.start) - inside))
         st.eviction_events += 1
@@ -432,7 +510,9 @@ class Memory:
         for v in victims:  # first: some relocation destinations are ranges of victims outside the window
             _internal_assert(v is not None and v.pins == 0 and v.evictable, f"{plan} picked an unevictable block")
             self._evict(v)
-        if moves:
+        if slide:
+            self._slide(moves)
+        elif moves:
             self._relocate(moves)
         o, size, owner = table.block_at(plan.start)
         _internal_assert(owner == _FREE_OWNER and o + size >= plan.end and size >= need,

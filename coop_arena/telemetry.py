@@ -23,7 +23,8 @@ class MemoryStats:
     fragmentation_sum: float = 0.0  # sum over eviction events of free bytes / budget before evicting
     peak_bytes: int = 0           # high-water mark of bytes held by resident storages (aligned)
     relocations: int = 0          # blocks copied out of a window (Note [Relocation])
-    relocated_bytes: int = 0
+    relocated_bytes: int = 0      # their bytes, and those of slid blocks
+    compactions: int = 0          # placements that slid blocks together (Note [Compaction])
 
     @property
     def fragmentation(self) -> float:

@@ -1,6 +1,8 @@
 """Relocation (Note [Relocation]): pinned or unevictable blocks that split the arena are copied out of the
 window instead of failing the request. Exact moves on a hand-built layout, then a real training step."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -132,3 +134,75 @@ def test_meta_dry_run_makes_the_same_moves():
         runs[device] = (st.relocations, st.relocated_bytes, st.evictions, st.compute_overhead,
                         [(e.kind, e.sid, e.offset) for e in b.trace])
     assert runs["cpu"][0] > 0 and runs["cpu"] == runs["meta"]
+
+
+def test_compaction_slides_blocks_together_when_no_destination_exists():
+    # P2 .1 a1 Q2 b1 .1 with P and Q pinned: no 3-unit window avoids them, and relocation has no 2-unit hole
+    # outside any window to move P or Q to. The arena holds P, Q and the request once b (the cheaper) goes and
+    # a and Q slide down by one unit (Q over its own old range).
+    m, s = build([("p", 2, 1.0, {"pinned": True}), (".", 1, 0.0), ("a", 1, 5000.0),
+                  ("q", 2, 1.0, {"pinned": True}), ("b", 1, 1.0), (".", 1, 0.0)])
+    moves = []
+    m.mover = lambda src, dst, n: moves.append((src // U, dst // U, n // U))
+    assert m.plan(3 * U) is None and m._relocation_plan(3 * U)[0] is None
+    new = m.allocate(3 * U, 5.0)
+    assert moves == [(3, 2, 1), (4, 3, 2)]
+    assert (s["a"].offset, s["q"].offset, new.offset) == (2 * U, 3 * U, 5 * U)
+    assert s["b"].state is State.EVICTED and s["a"].state is State.RESIDENT and s["q"].pins == 1
+    st = m.stats
+    assert (st.compactions, st.relocations, st.relocated_bytes, st.evictions, st.excess_bytes) == (1, 2, 3 * U, 1, 0)
+    assert [e.kind for e in m.trace.events][-4:] == ["evict", "move", "move", "alloc"]
+    m.check_invariants()
+
+
+def test_compaction_respects_fixed_blocks_and_fails_cleanly():
+    m, s = build([("p", 2, 1.0, {"pinned": True}), (".", 1, 0.0), ("a", 1, 5000.0),
+                  ("q", 2, 1.0, {"pinned": True}), ("b", 1, 1.0), (".", 1, 0.0)])
+    m.mover = lambda src, dst, n: pytest.fail("nothing may move")
+    m.fix(s["q"])  # Q must keep its address: the segments around it hold 2 and 0 unpinned units, not 3
+    before = m.snapshot()
+    with pytest.raises(OutOfBudget):
+        m.allocate(3 * U, 5.0)
+    assert m.snapshot() == before and m.stats.compactions == 0  # Rule 7
+    m.check_invariants()
+
+
+class Attention(nn.Module):
+    """Two residual self-attention layers: near the edge a backward op's pinned inputs split the arena so that
+    neither the window search nor relocation can place its output, and only a compaction can."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.MultiheadAttention(64, 4, batch_first=True) for _ in range(2))
+
+    def forward(self, x):
+        for a in self.layers:
+            x = x + a(x, x, x)[0]
+        return x.square().mean()
+
+
+def test_compaction_keeps_training_bitwise_exact():
+    def train(budget):
+        torch.manual_seed(0)
+        model = Attention()
+        x = torch.randn(8, 32, 64, generator=torch.Generator().manual_seed(1))
+        with budget if budget is not None else contextlib.nullcontext():
+            model(x).backward()
+        return [p.grad for p in model.parameters()]
+
+    probe = coop_arena.Budget(1 << 26, device="cpu")
+    plain = train(None)
+    train(probe)
+    compacted = 0
+    for percent in range(65, 50, -1):  # down to the smallest budget that fits
+        budget = coop_arena.Budget(probe.stats.peak_bytes * percent // 100, device="cpu")
+        try:
+            grads = train(budget)
+        except OutOfBudget:
+            break
+        st = budget.stats
+        assert bitwise_equal(plain, grads) and st.peak_bytes <= st.budget
+        if st.compactions:
+            compacted += 1
+            assert st.relocated_bytes > 0 and st.rematerializations > 0
+    assert compacted >= 2, "the smallest budgets that fit should need a compaction"
