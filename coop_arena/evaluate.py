@@ -93,7 +93,8 @@ def run_once(model, inputs, nbytes: int, config: str) -> dict:
     return {"fits": True, "compute_overhead": st.compute_overhead, "evictions": st.evictions,
             "eviction_events": st.eviction_events, "rematerializations": st.rematerializations,
             "search_seconds": st.search_seconds, "search_seconds_per_event": st.search_seconds_per_event,
-            "fragmentation": st.fragmentation, "peak_bytes": st.peak_bytes, "seconds": time.perf_counter() - t0}
+            "fragmentation": st.fragmentation, "peak_bytes": st.peak_bytes, "relocated_bytes": st.relocated_bytes,
+            "compactions": st.compactions, "seconds": time.perf_counter() - t0}
 
 
 def sweep_model(name: str, batch: int | None, sweep: Sweep, progress: tqdm | None = None) -> dict:

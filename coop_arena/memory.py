@@ -19,6 +19,8 @@ Allocation policy (Note [Placement]):
 - Relocation (coop only, Note [Relocation]): when no window exists because pinned or unevictable blocks split
   the arena, a window may also cover such blocks; they are copied to free blocks outside it (a copy, never a
   recomputation) and the rest of the window is evicted.
+- Moving instead of evicting (coop only, Note [Moving instead of evicting]): an expensive evictable block of
+  the window may be copied to a free block outside it instead of evicted, when that makes the plan cheaper.
 - Compaction (coop only, Note [Compaction]): when relocation finds no destination either, the cheapest blocks
   of one segment between fixed blocks are evicted and the rest slide together, leaving one free range.
 - A request that no plan can serve raises OutOfBudget before anything changes (Rule 7).
@@ -305,6 +307,10 @@ class Memory:
             plan = self._plan(need)
             moves = ()
             slide = False
+            if plan is not None and plan.victims and self.relocate and self.may_relocate and self.mover is not None:
+                cheaper = self._move_plan(need, plan)
+                if cheaper is not None:
+                    plan, moves = cheaper
             if plan is None and self.relocate and self.may_relocate and self.mover is not None:
                 plan, moves = self._relocation_plan(need)
                 if plan is None:
@@ -402,6 +408,59 @@ class Memory:
             holes[j][1] -= int(sizes[i])
         evict = tuple(sorted([i for i in plan.victims if not movable[i]] + extra))
         return (_policy.EvictionPlan(evict, plan.start, plan.end, plan.cost, plan.policy), tuple(moves)), None
+
+    # Note [Moving instead of evicting]
+    # Rationale: near the edge the free bytes lie in holes too small for a request, and the cheapest window
+    #   can still hold an expensive block (a convolution's or a matmul's output). Copying that block into a hole
+    #   outside the window costs a read and a write of its bytes; evicting it costs its recomputation, often far
+    #   more. Coop's own answer to fragmentation is to use the holes, not to recompute around them.
+    # Approach: after the plain window is found, the search runs once more with each evictable block priced at
+    #   the smaller of its eviction (c/s) and a copy (2 x bytes / s, as in Note [Relocation]). The blocks of that
+    #   window priced as copies get destinations in the free blocks outside it (largest first, best fit); one
+    #   that finds none is evicted at its full price. The plan is taken only if its total is below the plain
+    #   plan's; it is applied as a relocation (destinations taken, bytes copied, then the rest evicted).
+    # Limitations: one alternative window, not a search over all of them; only free blocks are destinations (no
+    #   eviction outside the window to make one); coop only, and only while nothing holds a raw view.
+    def _move_plan(self, need: int, plain: _policy.EvictionPlan):
+        """(plan, moves) cheaper than `plain` that copies evictable blocks of its window to free blocks outside
+        it where a copy costs less than their eviction, or None."""
+        table = self.table
+        own, sizes, offsets = table.owners, table.sizes, table.offsets
+        kind = self._kind[own]
+        stale = self.clock - self._last[own] + 1.0
+        h = self._c[own] / stale
+        h[kind != EVICTABLE] = 0.0
+        move = 2.0 * sizes / stale
+        cand = (kind == EVICTABLE) & (move < h)
+        if not cand.any():
+            return None
+        h2 = np.where(cand, move, h)
+        plan = _policy.coop_window(offsets, sizes, kind, h2, need)
+        if plan is None:
+            return None
+        moved = sorted((i for i in plan.victims if cand[i]), key=lambda i: (-int(sizes[i]), i))
+        if not moved:
+            return None
+        outside = (offsets + sizes <= plan.start) | (offsets >= plan.end)
+        holes = [[int(offsets[i]), int(sizes[i])] for i in np.nonzero(outside & (own == _FREE_OWNER))[0]]
+        cost, moves, evict = 0.0, [], [i for i in plan.victims if not cand[i]]
+        for i in plan.victims:
+            if not cand[i]:
+                cost += float(h[i])
+        for i in moved:
+            fit = [j for j, (_, size) in enumerate(holes) if size >= sizes[i]]
+            if not fit:
+                evict.append(i)
+                cost += float(h[i])
+                continue
+            j = min(fit, key=lambda j: (holes[j][1], holes[j][0]))
+            moves.append((self._slots[int(own[i]) - 1], holes[j][0]))
+            holes[j][0] += int(sizes[i])
+            holes[j][1] -= int(sizes[i])
+            cost += float(move[i])
+        if not moves or cost >= plain.cost:
+            return None
+        return _policy.EvictionPlan(tuple(sorted(evict)), plan.start, plan.end, cost, plan.policy), tuple(moves)
 
     # Note [Compaction]
     # Rationale: relocation needs a destination outside the window for each block it moves. When an op's own

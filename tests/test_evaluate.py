@@ -47,7 +47,10 @@ def test_evaluate_quick_end_to_end(tmp_path):
             # tensors were evicted and recomputed on the way down
             assert any(r["evictions"] > 0 and r["rematerializations"] > 0 and r["compute_overhead"] > 1.0
                        for r in fits)
-            assert all(r["compute_overhead"] == 1.0 for r in fits if r["rematerializations"] == 0)
+            # (copies into free holes instead of evictions cost 2 x their bytes, Note [Relocation])
+            assert all(r["compute_overhead"] == 1.0 for r in fits
+                       if r["rematerializations"] == 0 and r["relocated_bytes"] == 0)
+            assert all(r["compute_overhead"] > 1.0 for r in fits if r["relocated_bytes"] > 0)
             assert all(r["peak_bytes"] <= r["budget"] for r in fits)
     assert [t["target"] for t in results["targets"]][0].startswith("coop's overhead <= min(dtr, dte)")
     summary = (out / "summary.md").read_text()
