@@ -68,6 +68,19 @@ def _check_cost(cost, what: str = "cost") -> float:
     return cost
 
 
+def _take_hole(holes: list, nbytes: int) -> int | None:
+    """The offset of `nbytes` taken from the low end of the best-fitting hole (smallest, then lowest) of `holes`
+    ([offset, size] lists, updated), or None when none is large enough."""
+    fit = [j for j, (_, size) in enumerate(holes) if size >= nbytes]
+    if not fit:
+        return None
+    j = min(fit, key=lambda j: (holes[j][1], holes[j][0]))
+    at = holes[j][0]
+    holes[j][0] += nbytes
+    holes[j][1] -= nbytes
+    return at
+
+
 class Memory:
     def __init__(self, nbytes: int, *, policy: str = "coop", partition: bool = True, alignment: int = 512,
                  cheap_density: float = 4.0, trace_len: int = 10_000, relocate: bool = True):
@@ -307,11 +320,12 @@ class Memory:
             plan = self._plan(need)
             moves = ()
             slide = False
-            if plan is not None and plan.victims and self.relocate and self.may_relocate and self.mover is not None:
+            can_move = self.relocate and self.may_relocate and self.mover is not None
+            if plan is not None and plan.victims and can_move:
                 cheaper = self._move_plan(need, plan)
                 if cheaper is not None:
                     plan, moves = cheaper
-            if plan is None and self.relocate and self.may_relocate and self.mover is not None:
+            if plan is None and can_move:
                 plan, moves = self._relocation_plan(need)
                 if plan is None:
                     plan, moves = self._compaction_plan(need)
@@ -355,19 +369,12 @@ class Memory:
     def _relocation_plan(self, need: int, attempts: int = 8):
         self._refresh_costs()
         table = self.table
-        own = table.owners
-        k = len(self._slots) + 1
-        kind = self._kind[own]
-        movable = kind == BLOCKED
-        if self._fixed:
-            fixed_slots = [s.slot + 1 for s in self._slots if s is not None and s.sid in self._fixed]
-            movable &= ~np.isin(own, fixed_slots)
+        kind, h, copy = self._prices()
+        movable = (kind == BLOCKED) & ~self._fixed_blocks()
         if not movable.any():
             return None, ()
         sizes = table.sizes
-        h = _policy.heuristic(self._c[:k], self._last[:k], self.clock)[own]
-        stale = self.clock - self._last[own] + 1.0
-        h[movable] = 2.0 * sizes[movable] / stale[movable]
+        h[movable] = copy[movable]
         kind2 = kind.copy()
         kind2[movable] = EVICTABLE
         for _ in range(attempts):
@@ -388,26 +395,46 @@ class Memory:
         moved = sorted((i for i in plan.victims if movable[i]), key=lambda i: (-int(sizes[i]), i))
         if not moved:
             return (plan, ()), None
-        outside = (offsets + sizes <= plan.start) | (offsets >= plan.end)
-        holes = [[int(offsets[i]), int(sizes[i])] for i in np.nonzero(outside & (own == _FREE_OWNER))[0]]
+        outside, holes = self._holes_outside(plan)
         spare = sorted(np.nonzero(outside & (kind == EVICTABLE))[0].tolist(), key=lambda i: (h[i], i))
         extra, moves = [], []
         for i in moved:
-            fit = [j for j, (_, size) in enumerate(holes) if size >= sizes[i]]
-            if not fit:  # make a hole: evict the cheapest evictable block outside the window that is big enough
+            at = _take_hole(holes, int(sizes[i]))
+            if at is None:  # make a hole: evict the cheapest evictable block outside the window that is big enough
                 b = next((b for b in spare if sizes[b] >= sizes[i]), None)
                 if b is None:
                     return None, i
                 spare.remove(b)
                 extra.append(b)
                 holes.append([int(offsets[b]), int(sizes[b])])
-                fit = [len(holes) - 1]
-            j = min(fit, key=lambda j: (holes[j][1], holes[j][0]))
-            moves.append((self._slots[int(own[i]) - 1], holes[j][0]))
-            holes[j][0] += int(sizes[i])
-            holes[j][1] -= int(sizes[i])
+                at = _take_hole(holes, int(sizes[i]))  # the only hole that fits
+            moves.append((self._slots[int(own[i]) - 1], at))
         evict = tuple(sorted([i for i in plan.victims if not movable[i]] + extra))
         return (_policy.EvictionPlan(evict, plan.start, plan.end, plan.cost, plan.policy), tuple(moves)), None
+
+    def _prices(self):
+        """Per block in address order: its kind, its eviction price c/s and the price of copying it, 2 x bytes / s
+        (s = staleness; the units of c/s, Note [Relocation]). Costs must be up to date (_refresh_costs)."""
+        own = self.table.owners
+        k = len(self._slots) + 1
+        h = _policy.heuristic(self._c[:k], self._last[:k], self.clock)[own]
+        stale = self.clock - self._last[own] + 1.0
+        return self._kind[own], h, 2.0 * self.table.sizes / stale
+
+    def _fixed_blocks(self) -> np.ndarray:
+        """Per block in address order: whether its storage must keep its address (`fix`)."""
+        own = self.table.owners
+        if not self._fixed:
+            return np.zeros(len(own), bool)
+        return np.isin(own, [s.slot + 1 for s in self._slots if s is not None and s.sid in self._fixed])
+
+    def _holes_outside(self, plan):
+        """(mask of the blocks outside the plan's range, its free blocks as [offset, size] lists)."""
+        table = self.table
+        offsets, sizes = table.offsets, table.sizes
+        outside = (offsets + sizes <= plan.start) | (offsets >= plan.end)
+        free = np.nonzero(outside & (table.owners == _FREE_OWNER))[0]
+        return outside, [[int(offsets[i]), int(sizes[i])] for i in free]
 
     # Note [Moving instead of evicting]
     # Rationale: near the edge the free bytes lie in holes too small for a request, and the cheapest window
@@ -430,11 +457,7 @@ class Memory:
         it where a copy costs less than their eviction, or None."""
         table = self.table
         own, sizes, offsets = table.owners, table.sizes, table.offsets
-        kind = self._kind[own]
-        stale = self.clock - self._last[own] + 1.0
-        h = self._c[own] / stale
-        h[kind != EVICTABLE] = 0.0
-        move = 2.0 * sizes / stale
+        kind, h, move = self._prices()
         cand = (kind == EVICTABLE) & (move < h)
         if not cand.any():
             return None
@@ -445,23 +468,19 @@ class Memory:
         moved = sorted((i for i in plan.victims if cand[i]), key=lambda i: (-int(sizes[i]), i))
         if not moved:
             return None
-        outside = (offsets + sizes <= plan.start) | (offsets >= plan.end)
-        holes = [[int(offsets[i]), int(sizes[i])] for i in np.nonzero(outside & (own == _FREE_OWNER))[0]]
+        _, holes = self._holes_outside(plan)
         cost, moves, evict = 0.0, [], [i for i in plan.victims if not cand[i]]
         for i in plan.victims:
             if not cand[i]:
                 cost += float(h[i])
         for i in moved:
-            fit = [j for j, (_, size) in enumerate(holes) if size >= sizes[i]]
-            if not fit:
+            at = _take_hole(holes, int(sizes[i]))
+            if at is None:
                 evict.append(i)
                 cost += float(h[i])
-                continue
-            j = min(fit, key=lambda j: (holes[j][1], holes[j][0]))
-            moves.append((self._slots[int(own[i]) - 1], holes[j][0]))
-            holes[j][0] += int(sizes[i])
-            holes[j][1] -= int(sizes[i])
-            cost += float(move[i])
+            else:
+                moves.append((self._slots[int(own[i]) - 1], at))
+                cost += float(move[i])
         if not moves or cost >= plain.cost:
             return None
         return _policy.EvictionPlan(tuple(sorted(evict)), plan.start, plan.end, cost, plan.policy), tuple(moves)
@@ -485,14 +504,8 @@ class Memory:
         (None, ())."""
         table = self.table
         own, sizes, offsets = table.owners, table.sizes, table.offsets
-        kind = self._kind[own]
-        k = len(self._slots) + 1
-        h = _policy.heuristic(self._c[:k], self._last[:k], self.clock)[own]
-        barrier = np.zeros(len(own), bool)
-        if self._fixed:
-            fixed_slots = [s.slot + 1 for s in self._slots if s is not None and s.sid in self._fixed]
-            barrier = np.isin(own, fixed_slots)
-        cuts = [-1, *np.nonzero(barrier)[0].tolist(), len(own)]
+        kind, h, _ = self._prices()
+        cuts = [-1, *np.nonzero(self._fixed_blocks())[0].tolist(), len(own)]
         best = None
         for lo, hi in zip(cuts, cuts[1:]):
             seg = np.arange(lo + 1, hi)
@@ -531,11 +544,7 @@ class Memory:
             old = s.offset
             table.release(old)
             table.place_at(dest, table.round_up(s.nbytes), s.slot + 1)
-            self.mover(old, dest, s.nbytes)
-            s.offset = dest
-            self.stats.relocations += 1
-            self.stats.relocated_bytes += table.round_up(s.nbytes)
-            self.trace.add("move", s.sid, dest, s.nbytes, self.clock)
+            self._moved(s, old, dest)
 
     def _relocate(self, moves) -> None:
         """Every destination is taken before any old range is released; destinations lie outside the window and
@@ -545,12 +554,16 @@ class Memory:
         for s, dest in moves:
             placed.append((s, s.offset, table.place_at(dest, table.round_up(s.nbytes), s.slot + 1)))
         for s, old, new in placed:
-            self.mover(old, new, s.nbytes)
             table.release(old)
-            s.offset = new
-            self.stats.relocations += 1
-            self.stats.relocated_bytes += table.round_up(s.nbytes)
-            self.trace.add("move", s.sid, new, s.nbytes, self.clock)
+            self._moved(s, old, new)
+
+    def _moved(self, s: Storage, old: int, new: int) -> None:
+        """Copy `s`'s bytes to its new range (already its own in the table) and count the copy."""
+        self.mover(old, new, s.nbytes)
+        s.offset = new
+        self.stats.relocations += 1
+        self.stats.relocated_bytes += self.table.round_up(s.nbytes)
+        self.trace.add("move", s.sid, new, s.nbytes, self.clock)
 
     def _apply(self, plan: _policy.EvictionPlan, need: int, search_seconds: float, moves=(), slide=False) -> int:
         """Relocate (or, for a compaction, slide) the planned blocks and evict the plan's victims; returns the

@@ -136,11 +136,15 @@ def test_meta_dry_run_makes_the_same_moves():
     assert runs["cpu"][0] > 0 and runs["cpu"] == runs["meta"]
 
 
-def test_expensive_block_is_moved_to_a_hole_instead_of_evicted():
+def move_layout(**kw):
     # e1 c1 Q1 .1 R1 d1 f1 with Q and R pinned; a 2-unit request. Evicting e and c costs 3001, d and f 9000.
-    # Copying e (2 x 512 = 1024) to the hole outside its window and evicting c costs 1025: e moves.
-    m, s = build([("e", 1, 3000.0), ("c", 1, 1.0), ("q", 1, 1.0, {"pinned": True}), (".", 1, 0.0),
-                  ("r", 1, 1.0, {"pinned": True}), ("d", 1, 5000.0), ("f", 1, 4000.0)])
+    # Copying e (2 x 512 = 1024) to the hole outside its window and evicting c costs 1025.
+    return build([("e", 1, 3000.0), ("c", 1, 1.0), ("q", 1, 1.0, {"pinned": True}), (".", 1, 0.0),
+                  ("r", 1, 1.0, {"pinned": True}), ("d", 1, 5000.0), ("f", 1, 4000.0)], **kw)
+
+
+def test_expensive_block_is_moved_to_a_hole_instead_of_evicted():
+    m, s = move_layout()
     moves = []
     m.mover = lambda src, dst, n: moves.append((src // U, dst // U, n // U))
     assert m.plan(2 * U).victims == (0, 1)  # the plain plan: evict e and c
@@ -150,19 +154,23 @@ def test_expensive_block_is_moved_to_a_hole_instead_of_evicted():
     assert (m.stats.relocations, m.stats.evictions, m.stats.compactions) == (1, 1, 0)
     m.check_invariants()
     for kw in ({"policy": "dtr"}, {"relocate": False}):  # the baselines and the ablation evict
-        m, s = build([("e", 1, 3000.0), ("c", 1, 1.0), ("q", 1, 1.0, {"pinned": True}), (".", 1, 0.0),
-                      ("r", 1, 1.0, {"pinned": True}), ("d", 1, 5000.0), ("f", 1, 4000.0)], **kw)
+        m, s = move_layout(**kw)
         m.mover = lambda src, dst, n: pytest.fail("nothing may move")
         m.allocate(2 * U, 5.0)
         assert m.stats.relocations == 0 and m.stats.evictions >= 1
 
 
-def test_compaction_slides_blocks_together_when_no_destination_exists():
+def slide_layout():
     # P2 .1 a1 Q2 b1 .1 with P and Q pinned: no 3-unit window avoids them, and relocation has no 2-unit hole
-    # outside any window to move P or Q to. The arena holds P, Q and the request once b (the cheaper) goes and
-    # a and Q slide down by one unit (Q over its own old range).
-    m, s = build([("p", 2, 1.0, {"pinned": True}), (".", 1, 0.0), ("a", 1, 5000.0),
+    # outside any window to move P or Q to.
+    return build([("p", 2, 1.0, {"pinned": True}), (".", 1, 0.0), ("a", 1, 5000.0),
                   ("q", 2, 1.0, {"pinned": True}), ("b", 1, 1.0), (".", 1, 0.0)])
+
+
+def test_compaction_slides_blocks_together_when_no_destination_exists():
+    # The arena holds P, Q and the request once b (the cheaper) goes and a and Q slide down by one unit (Q over
+    # its own old range).
+    m, s = slide_layout()
     moves = []
     m.mover = lambda src, dst, n: moves.append((src // U, dst // U, n // U))
     assert m.plan(3 * U) is None and m._relocation_plan(3 * U)[0] is None
@@ -177,8 +185,7 @@ def test_compaction_slides_blocks_together_when_no_destination_exists():
 
 
 def test_compaction_respects_fixed_blocks_and_fails_cleanly():
-    m, s = build([("p", 2, 1.0, {"pinned": True}), (".", 1, 0.0), ("a", 1, 5000.0),
-                  ("q", 2, 1.0, {"pinned": True}), ("b", 1, 1.0), (".", 1, 0.0)])
+    m, s = slide_layout()
     m.mover = lambda src, dst, n: pytest.fail("nothing may move")
     m.fix(s["q"])  # Q must keep its address: the segments around it hold 2 and 0 unpinned units, not 3
     before = m.snapshot()
