@@ -54,6 +54,11 @@ class _Grows(Exception):
     """An out= kernel tried to resize a view whose storage cannot grow (Dispatch._fixed_view)."""
 
 
+def _grew(e: RuntimeError) -> bool:
+    """Whether `e` is PyTorch's error for a kernel resizing a storage that cannot grow (Dispatch._fixed_view)."""
+    return "not resizable" in str(e)
+
+
 class _Call:
     """One op call in progress: its arguments as given, as plain tensors, and as recorded for a recipe."""
 
@@ -251,8 +256,8 @@ class Dispatch:
             if plan.out_op is not None:  # else uninitialized memory (the empty family): nothing to write
                 try:
                     plan.out_op(*call.pargs, **call.pkwargs, **dict(zip(plan.out_names, views)))
-                except RuntimeError as e:  # PyTorch's message when a storage that cannot grow is resized
-                    if guard and "not resizable" in str(e):
+                except RuntimeError as e:
+                    if guard and _grew(e):
                         raise _Grows from e
                     raise
                 if guard:
@@ -452,8 +457,8 @@ class Dispatch:
         fixed = self._fix_out_args(call) if targets and self.device.type != "meta" else False
         try:
             out, _, recipe = self._execute(call)
-        except RuntimeError as e:  # PyTorch's message when a storage that cannot grow is resized
-            if fixed and "not resizable" in str(e):
+        except RuntimeError as e:
+            if fixed and _grew(e):
                 raise UnsupportedOp(call.func, "its kernel resizes its out= argument on the way (beyond its final "
                                                "shape), which a tensor in the arena cannot be; call the op without "
                                                "out=") from e
