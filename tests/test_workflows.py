@@ -540,3 +540,18 @@ def test_parameters_freed_after_forward_and_refilled_before_backward_keep_traini
     assert bitwise_equal(reference, run(budget))
     assert budget.stats.evictions > 0 and budget.stats.rematerializations > 0, budget.stats
     assert budget.stats.frozen > 0, budget.stats  # what a reshard kept
+
+
+def test_demo_trains_bitwise_under_every_policy_and_times_later_steps_apart(capsys):
+    """`make demo`'s run, shortened: every policy evicts and recomputes under half the peak, ends bitwise equal to
+    plain PyTorch, and the table reports the first step and the later steps' wall time apart."""
+    from coop_arena import demo
+    assert demo.main(steps=2) == 0
+    out = capsys.readouterr().out
+    assert out.count("yes (bitwise)") == 3 and "NO" not in out
+    assert "first step" in out and "later steps" in out
+    rows = [line for line in out.splitlines() if line.split("│")[1:2] and line.split("│")[1].strip() in demo.POLICIES]
+    assert len(rows) == 3
+    for row in rows:
+        cells = [c.strip() for c in row.split("│")[1:-1]]
+        assert int(cells[4]) > 0 and int(cells[5]) > 0  # evictions, recomputations
