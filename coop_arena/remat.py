@@ -9,7 +9,7 @@ Rules enforced here (see ../shared DESIGN numbering; Note [Restore plans] below 
 7. A replay that would start with recomputation already past `max_overhead` times the cost of the ops run so far
    raises Thrashing instead, before anything changes for that replay; every pin taken is released.
 9. Restores never fight each other: the storages an op reads, and those a replay reads, cannot be evicted by the
-   restores that serve the same op.
+   restores that serve the same op. The one exception is the fallback when that does not fit (below).
 10. The logical clock advances by replayed work as by the program's own ops, so staleness tells a chain's start
     (read long ago) from its end (just rebuilt).
 
@@ -25,6 +25,15 @@ Approach: `acquire(targets)` first pins the resident targets. The evicted target
   unpinned storage), replayed, and pinned until the last plan node that reads it is rebuilt. Then it is unpinned;
   if no wrapper holds it (restored only as an ancestor) it is evicted at once, otherwise it stays resident and
   evictable (a chain's backward pass reads it next). Targets stay pinned for the caller.
+Fallback: holding every input of the op while one of them is rebuilt can need more than the budget (the op's
+  inputs plus a restore path's own inputs and outputs: a backward op of an attention layer whose evicted input
+  is rebuilt through a projection of the same size). When the joint plan raises OutOfBudget, the inputs are
+  acquired one at a time instead, the evicted ones first (in program order), each pinned once resident; an
+  input not reached yet may be evicted by an earlier one's plan and is restored at its turn, beside those
+  pinned before it. An input whose own plan does not fit is rebuilt narrowly: each replay pins only what it
+  reads while it runs, the same recursion one level down for each evicted input. Only if that fails too does the
+  op fail, with the first attempt's error (not tried when the inputs alone exceed the budget). Counted in
+  `stats.restores_in_turn`. It only runs where the step used to fail, so every step that fitted is unchanged.
 Limitations: the order is one topological order (depth first), not the one that needs the least memory.
 
 Note [Old versions]
@@ -44,7 +53,7 @@ import warnings
 
 import torch
 
-from .errors import TensorLost, Thrashing, _internal_assert
+from .errors import OutOfBudget, TensorLost, Thrashing, _internal_assert
 from .lifetime import keeps_dead
 from .memory import Memory
 from .recipe import ArgRef, Recipe, replaying
@@ -81,10 +90,76 @@ class Remat:
                     evicted.append(s)
             if evicted:
                 self._rebuild(evicted, {s.sid for s in targets}, pins, op)
+        except OutOfBudget as joint:
+            self.release(pins)
+            table = memory.table
+            if sum(table.round_up(s.nbytes) for s in targets) > table.nbytes:
+                raise  # the targets alone exceed the budget: no order of restores can help
+            try:
+                return self._acquire_in_turn(targets, op, plans=len(targets) > 1)
+            except OutOfBudget:
+                raise joint from None
         except BaseException:
             self.release(pins)
             raise
         return pins
+
+    def _acquire_in_turn(self, targets, op, *, plans: bool) -> list[Storage]:
+        """The fallback of Rule 9 (Note [Restore plans]): the targets one at a time, evicted ones first, each
+        pinned once resident; one not yet reached may be evicted meanwhile and is restored at its turn. Each is
+        rebuilt by its own plan (when `plans`; a lone target's plan has just failed) or, where that does not fit,
+        narrowly. Raises the OutOfBudget of the first target that does not fit beside those pinned before it (the
+        caller raises its own instead)."""
+        pins: list[Storage] = []
+        try:
+            for s in sorted(targets, key=lambda s: (s.state is State.RESIDENT, s.sid)):
+                if s.state is State.RESIDENT:
+                    self.memory.pin(s)
+                    pins.append(s)
+                    continue
+                if plans:
+                    try:
+                        self._rebuild([s], {s.sid}, pins, op)
+                        continue
+                    except OutOfBudget:
+                        _internal_assert(s.state is not State.RESIDENT, f"storage {s.sid}'s plan failed after it")
+                self._rebuild_narrow(s, op)
+                pins.append(s)
+        except BaseException:
+            self.release(pins)
+            raise
+        self.counters.restores_in_turn += 1
+        return pins
+
+    def _rebuild_narrow(self, s: Storage, op) -> None:
+        """Rebuild evicted `s` (left pinned) pinning only what each replay reads, while it runs: the same
+        recursion one level down for each input, evicted inputs first (Note [Restore plans], fallback). An input
+        restored earlier may be evicted by a later one's rebuild and comes back at its turn."""
+        if s.payload.lost is not None:
+            raise TensorLost(s.payload.lost)
+        reads = _Node(s, None).reads()
+        if any(version is not None for _, version in reads):  # old versions need a plan (Note [Old versions])
+            self._rebuild([s], {s.sid}, [], op)
+            return
+        held: list[Storage] = []
+        rebuilt: list[Storage] = []
+        try:
+            for b, _ in sorted(reads, key=lambda r: (r[0].state is State.RESIDENT, r[0].sid)):
+                _internal_assert(b.state is not State.FREED, f"storage {s.sid}'s replay reads storage {b.sid}, which is freed")
+                if b.state is State.RESIDENT:
+                    self.memory.pin(b)
+                else:
+                    self._rebuild_narrow(b, op)
+                    rebuilt.append(b)
+                held.append(b)
+            self._replay(s, op, {})
+        finally:
+            self.release(held)
+        memory = self.memory
+        for b in rebuilt:  # restored only as an ancestor: it goes (Rule 3)
+            if (b.state is State.RESIDENT and b.payload.wrappers == 0 and b.pins == 0 and b.evictable
+                    and not keeps_dead(b, memory)):
+                memory.evict(b)
 
     def release(self, pins) -> None:
         for s in pins:

@@ -361,9 +361,10 @@ def attention_grads(config, budget=None):
 
 
 RESTORE_PINS_TOO_MUCH = pytest.mark.xfail(strict=True, raises=coop_arena.OutOfBudget, reason=(
-    "in the backward pass a transpose needs an evicted 128 KiB input back while 576 KiB are pinned for it (the "
-    "inputs of the recompute chain that rebuilds it), 704 KiB in a 672.5 KiB budget: the restore path pins more "
-    "than fits, whatever the layout (compaction lets the earlier residual add through). dtr and dte fail too."))
+    "in the backward pass a residual add needs an evicted 192 KiB input back while 512 KiB are pinned for it "
+    "(704 KiB in a 672.5 KiB budget); the fallback that restores its inputs one at a time, and then pins only what "
+    "each replay reads, fails the same way deeper down its recompute chain (the inputs rebuilt at each level stay "
+    "pinned while the next is rebuilt). dtr and dte fail too."))
 
 
 @pytest.mark.parametrize("config,policy", [
