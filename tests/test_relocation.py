@@ -209,17 +209,20 @@ class Attention(nn.Module):
         return x.square().mean()
 
 
+def attention_grads(shape, budget=None):
+    """The parameter gradients of one training step of `Attention` on an input of `shape` (under `budget`)."""
+    torch.manual_seed(0)
+    model = Attention()
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    with budget if budget is not None else contextlib.nullcontext():
+        model(x).backward()
+    return [p.grad for p in model.parameters()]
+
+
 def test_compaction_keeps_training_bitwise_exact():
     """Every budget from 62 % of the peak down to the smallest that fits, for two input shapes: exact, with
     compactions and moves among them (which budgets need them depends on the policy's choices)."""
-    def train(shape, budget):
-        torch.manual_seed(0)
-        model = Attention()
-        x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
-        with budget if budget is not None else contextlib.nullcontext():
-            model(x).backward()
-        return [p.grad for p in model.parameters()]
-
+    train = attention_grads
     compacted, moved = 0, False
     for shape in ((8, 32, 64), (4, 64, 64)):
         probe = coop_arena.Budget(1 << 26, device="cpu")

@@ -4,16 +4,13 @@ fit either, pinning only what each replay reads while it runs."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
-import torch
 
 import coop_arena
 from coop_arena import OutOfBudget
 from coop_arena import remat as remat_module
 
-from test_relocation import Attention
+from test_relocation import attention_grads
 from training import bitwise_equal
 
 pytestmark = pytest.mark.filterwarnings("ignore:this step is thrashing")  # these budgets are at the edge
@@ -22,12 +19,7 @@ SHAPE = (8, 16, 64)  # two attention layers whose backward ops read two evicted 
 
 
 def _train(budget):
-    torch.manual_seed(0)
-    model = Attention()
-    x = torch.randn(*SHAPE, generator=torch.Generator().manual_seed(1))
-    with budget if budget is not None else contextlib.nullcontext():
-        model(x).backward()
-    return [p.grad for p in model.parameters()]
+    return attention_grads(SHAPE, budget)
 
 
 @pytest.fixture(scope="module")
