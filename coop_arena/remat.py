@@ -31,10 +31,14 @@ Fallback: holding every input of the op while one of them is rebuilt can need mo
   acquired one at a time instead, the evicted ones first (in program order), each pinned once resident; an
   input not reached yet may be evicted by an earlier one's plan and is restored at its turn, beside those
   pinned before it. An input whose own plan does not fit is rebuilt narrowly: each replay pins only what it
-  reads while it runs, the same recursion one level down for each evicted input. Only if that fails too does the
-  op fail, with the first attempt's error (not tried when the inputs alone exceed the budget). Counted in
-  `stats.restores_in_turn`. It only runs where the step used to fail, so every step that fitted is unchanged.
-Limitations: the order is one topological order (depth first), not the one that needs the least memory.
+  reads while it runs, the same recursion one level down for each evicted input, oldest input first and, if
+  that fails, newest first (a deep chain then goes down before anything at its top is held). Only if that
+  fails too does the op fail, with the first attempt's error (not tried when the inputs alone exceed the
+  budget). Counted in `stats.restores_in_turn`. It only runs where the step used to fail, so every step that
+  fitted is unchanged.
+Limitations: the order is one topological order (depth first), not the one that needs the least memory. The
+  narrow rebuild is DTR's recursion: inputs rebuilt at one level stay pinned while the next is rebuilt, and a
+  step that fits only through it can cost many times its ops (a 24-step GRUCell at half its peak: 59x).
 
 Note [Old versions]
 Rationale: an in-place write (Rule 6) overwrites a value other recipes may still read. Freezing those readers
@@ -123,7 +127,10 @@ class Remat:
                         continue
                     except OutOfBudget:
                         _internal_assert(s.state is not State.RESIDENT, f"storage {s.sid}'s plan failed after it")
-                self._rebuild_narrow(s, op)
+                try:
+                    self._rebuild_narrow(s, op, newest_first=False)
+                except OutOfBudget:  # the other order: a deep chain's newest input first, before anything is held
+                    self._rebuild_narrow(s, op, newest_first=True)
                 pins.append(s)
         except BaseException:
             self.release(pins)
@@ -131,10 +138,11 @@ class Remat:
         self.counters.restores_in_turn += 1
         return pins
 
-    def _rebuild_narrow(self, s: Storage, op) -> None:
+    def _rebuild_narrow(self, s: Storage, op, *, newest_first: bool) -> None:
         """Rebuild evicted `s` (left pinned) pinning only what each replay reads, while it runs: the same
-        recursion one level down for each input, evicted inputs first (Note [Restore plans], fallback). An input
-        restored earlier may be evicted by a later one's rebuild and comes back at its turn."""
+        recursion one level down for each input, evicted inputs first, oldest or newest first among them (Note
+        [Restore plans], fallback). An input restored earlier may be evicted by a later one's rebuild and comes
+        back at its turn."""
         if s.payload.lost is not None:
             raise TensorLost(s.payload.lost)
         reads = _Node(s, None).reads()
@@ -144,12 +152,13 @@ class Remat:
         held: list[Storage] = []
         rebuilt: list[Storage] = []
         try:
-            for b, _ in sorted(reads, key=lambda r: (r[0].state is State.RESIDENT, r[0].sid)):
+            for b, _ in sorted(reads, key=lambda r: (r[0].state is State.RESIDENT, -r[0].sid if newest_first
+                                                     else r[0].sid)):
                 _internal_assert(b.state is not State.FREED, f"storage {s.sid}'s replay reads storage {b.sid}, which is freed")
                 if b.state is State.RESIDENT:
                     self.memory.pin(b)
                 else:
-                    self._rebuild_narrow(b, op)
+                    self._rebuild_narrow(b, op, newest_first=newest_first)
                     rebuilt.append(b)
                 held.append(b)
             self._replay(s, op, {})

@@ -34,9 +34,9 @@ def narrow_calls(monkeypatch):
     calls = []
     original = remat_module.Remat._rebuild_narrow
 
-    def spy(self, s, op):
+    def spy(self, s, op, **kw):
         calls.append(s.sid)
-        return original(self, s, op)
+        return original(self, s, op, **kw)
     monkeypatch.setattr(remat_module.Remat, "_rebuild_narrow", spy)
     return calls
 
