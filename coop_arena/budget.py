@@ -126,6 +126,10 @@ class Budget:
                                          or not max_overhead > 1.0):
             raise ValueError(f"max_overhead must be None (no limit) or a number > 1, got {max_overhead!r} (for "
                              f"example 10: stop with Thrashing once recomputation costs 9x the ops run so far)")
+        if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 16 or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two of at least 16 bytes (the largest element size, so "
+                             f"that every tensor starts on a multiple of its own), got {alignment!r}; the default "
+                             f"is 512")
         check_backend(backend)
         self.max_overhead = None if max_overhead is None else float(max_overhead)
         self.device = resolve_device(device)

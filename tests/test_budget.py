@@ -21,6 +21,26 @@ def test_bad_budget_size(nbytes):
         coop_arena.Budget(nbytes, device="cpu")
 
 
+@pytest.mark.parametrize("alignment", [4, 8, 24, 0, -16, 16.0, True, "512"])
+def test_bad_alignment(alignment):
+    """Below 16 bytes a float64 or complex tensor could start between two of its elements (the arena is viewed
+    per dtype), so the Budget refuses it before allocating anything."""
+    with pytest.raises(ValueError, match="power of two of at least 16 bytes"):
+        coop_arena.Budget(1 << 20, device="cpu", alignment=alignment)
+
+
+def test_sixteen_byte_alignment_places_every_dtype_on_its_own_multiple():
+    budget = coop_arena.Budget(1 << 16, device="cpu", alignment=16, partition=False)
+    with budget:
+        a = torch.full((3,), 2.0)
+        x = torch.full((2,), 3.0, dtype=torch.float64)
+        z = torch.full((1,), 1 + 2j, dtype=torch.complex128)
+        for t in (a, x, z):
+            assert t._cell.storage.offset % t.element_size() == 0
+    assert torch.equal(a.as_plain(), torch.full((3,), 2.0)) and torch.equal(x.as_plain(), torch.full((2,), 3.0, dtype=torch.float64))
+    assert torch.equal(z.as_plain(), torch.full((1,), 1 + 2j, dtype=torch.complex128))
+
+
 def test_unknown_policy_and_device():
     with pytest.raises(ValueError, match="coop, dtr, dte"):
         coop_arena.Budget(1 << 20, device="cpu", policy="lru")
