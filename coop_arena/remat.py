@@ -412,13 +412,18 @@ class Remat:
         self.counters.frozen += 1
 
     def make_unevictable(self, s: Storage) -> None:
-        d = s.payload
-        d.base_version = d.version  # readers recorded the version it has: it stays
-        d.recipe = None
-        d.mutations = []
+        drop_recipe(s)
         if s.evictable:
             self.memory.make_unevictable(s)
             self.counters.count_unevictable(self.memory.table.round_up(s.nbytes), +1)
+
+
+def drop_recipe(s: Storage) -> None:
+    """`s` will never be replayed: its recipe and writes go (it stays resident for good, or it is lost)."""
+    d = s.payload
+    d.base_version = d.version  # readers recorded the version it has: it stays
+    d.recipe = None
+    d.mutations = []
 
 
 def _inputs(s: Storage) -> list:

@@ -22,7 +22,7 @@ from .dispatch import Dispatch
 from .errors import OutOfBudget, TensorLost, Thrashing, _internal_assert
 from .lifetime import Lifetime, _readers
 from .memory import Memory
-from .remat import Remat
+from .remat import Remat, drop_recipe
 from .recipe import plain_dispatch
 from .storage import State
 from .telemetry import RuntimeCounters
@@ -114,8 +114,7 @@ class Runtime:
             for s in keep:
                 if s.state is not State.RESIDENT:
                     s.payload.lost = f"storage {s.sid} was evicted and could not be restored before {why}: {e}"
-                    s.payload.base_version = s.payload.version
-                    s.payload.recipe, s.payload.mutations = None, []
+                    drop_recipe(s)
         try:
             for s in keep:
                 if s.state is State.RESIDENT:
