@@ -14,12 +14,13 @@ The Rules (../shared DESIGN numbering, extended) are written at the top of the m
 from __future__ import annotations
 
 import sys
+import threading
 
 import torch
 
 from .arena import Arena
 from .dispatch import Dispatch
-from .errors import OutOfBudget, TensorLost, Thrashing, _internal_assert
+from .errors import BudgetUsageError, OutOfBudget, TensorLost, Thrashing, _internal_assert
 from .lifetime import Lifetime, _readers
 from .memory import Memory
 from .remat import Remat, drop_recipe
@@ -42,9 +43,19 @@ class Runtime:
         self.lifetime = Lifetime(memory, arena, self.counters)
         self.dispatch = Dispatch(self, recomputable_inplace=recomputable_inplace)
         self.mode = None  # the Budget's dispatch mode, set by the Budget (composite ops re-enter it)
+        self.thread = threading.get_ident()  # the block's thread (the Budget creates its runtime on entering)
 
     def run(self, func, args, kwargs):
         return self.dispatch.run(func, args, kwargs)
+
+    def check_thread(self, func) -> None:
+        """An arena tensor reached an op outside the Budget's dispatch mode while its block runs: from another
+        thread that would race with the block's evictions and placements, so it is refused."""
+        if threading.get_ident() != self.thread:
+            raise BudgetUsageError(
+                f"{func} got a tensor that lives in a Budget's arena while that Budget's block runs on another "
+                f"thread; its bytes may be evicted or moved at any moment there. Use it on the block's thread, or "
+                f"after the block ends (it then holds its own copy)")
 
     @property
     def live(self) -> dict:

@@ -34,7 +34,7 @@ Limitations: inside the block, `numpy.asarray(t)` is a copy (numpy allows one; `
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from .errors import RawMemoryError
 
@@ -86,6 +86,9 @@ class Tensor(torch.Tensor):
         # detach, which keeps the type (See Note [Escaped tensors]).
         if func is aten.detach.default and not args[0]._inside():
             return args[0]._alias()
+        for x in tree_leaves((args, kwargs)):
+            if isinstance(x, Tensor) and x._cell.storage.payload.runtime is not None:
+                x._cell.storage.payload.runtime.check_thread(func)
         unwrap = lambda x: x.as_plain() if isinstance(x, Tensor) else x
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
 

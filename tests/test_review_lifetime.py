@@ -54,6 +54,37 @@ def test_entering_an_active_budget_from_another_thread_is_refused_and_changes_no
     assert torch.equal(z.as_plain(), torch.full((4,), 3.0))
 
 
+def test_an_arena_tensor_used_from_another_thread_during_the_block_is_refused():
+    """Another thread would read bytes the block may evict or move at any moment: refused with a clear error. A
+    thread that runs with the Budget's dispatch mode (as the autograd engine's device threads do on CUDA) goes
+    through the mode as usual, and after the block any thread may use the tensor (it holds its own copy)."""
+    budget = coop_arena.Budget(1 << 20, device="cpu")
+    seen = []
+
+    def use(t, mode=None):
+        try:
+            with mode if mode is not None else contextlib.nullcontext():
+                seen.append(t + 1)
+        except coop_arena.BudgetUsageError as e:
+            seen.append(e)
+
+    def in_thread(*args):
+        worker = threading.Thread(target=use, args=args)
+        worker.start()
+        worker.join()
+
+    with budget:
+        y = torch.ones(4) * 2
+        in_thread(y)
+        in_thread(y, budget._mode)
+        assert isinstance(seen[1], coop_arena.Tensor)  # placed in the arena by the Budget's mode
+    in_thread(y)
+    assert isinstance(seen[0], coop_arena.BudgetUsageError)
+    assert "aten.add.Tensor" in str(seen[0]) and "another thread" in str(seen[0])
+    assert torch.equal(seen[1].as_plain(), torch.full((4,), 3.0))
+    assert type(seen[2]) is torch.Tensor and torch.equal(seen[2], torch.full((4,), 3.0))
+
+
 def test_an_interrupt_while_a_block_ends_leaves_the_budget_usable_from_its_thread(monkeypatch):
     budget = coop_arena.Budget(1 << 20, device="cpu")
     collect = budget._collect
