@@ -32,13 +32,17 @@ Fallback: holding every input of the op while one of them is rebuilt can need mo
   input not reached yet may be evicted by an earlier one's plan and is restored at its turn, beside those
   pinned before it. An input whose own plan does not fit is rebuilt narrowly: each replay pins only what it
   reads while it runs, the same recursion one level down for each evicted input, oldest input first and, if
-  that fails, newest first (a deep chain then goes down before anything at its top is held). Only if that
-  fails too does the op fail, with the first attempt's error (not tried when the inputs alone exceed the
-  budget). Counted in `stats.restores_in_turn`. It only runs where the step used to fail, so every step that
-  fitted is unchanged.
+  that fails, newest first (a deep chain then goes down before anything at its top is held); an attempt gives
+  up once it would replay one storage more than NARROW_REPLAYS times (its rebuilds evict what they need next,
+  and newest first can take exponential work on residual chains). Only if every attempt fails does the op
+  fail, with the first attempt's error, OutOfBudget, also when the fallback ran past `max_overhead` (not tried
+  when the inputs alone exceed the budget). Counted in `stats.restores_in_turn`. It runs only where an acquire
+  used to fail: there the op failed, or, at block exit and before an optimizer step (Runtime._keep), a held
+  tensor was dropped as lost; every acquire that succeeded is unchanged.
 Limitations: the order is one topological order (depth first), not the one that needs the least memory. The
   narrow rebuild is DTR's recursion: inputs rebuilt at one level stay pinned while the next is rebuilt, and a
-  step that fits only through it can cost many times its ops (a 24-step GRUCell at half its peak: 59x).
+  step that fits only through it can cost many times its ops (a 24-step GRUCell at half its peak: 59x). A
+  replay that raises leaves its storage evicted and unpinned (its bytes were not its value yet).
 
 Note [Old versions]
 Rationale: an in-place write (Rule 6) overwrites a value other recipes may still read. Freezing those readers
@@ -66,6 +70,7 @@ from .tensor import with_bits
 from . import ops, placement
 
 WARN_OVERHEAD = 3.0  # a step whose recompute overhead passes this warns once (RuntimeWarning)
+NARROW_REPLAYS = 8   # replays of one storage within one narrow rebuild before it gives up (Note [Restore plans])
 
 
 class Remat:
@@ -97,11 +102,11 @@ class Remat:
         except OutOfBudget as joint:
             self.release(pins)
             table = memory.table
-            if sum(table.round_up(s.nbytes) for s in targets) > table.nbytes:
+            if sum(table.round_up(s.nbytes) for s in targets) > table.usable:
                 raise  # the targets alone exceed the budget: no order of restores can help
             try:
                 return self._acquire_in_turn(targets, op, plans=len(targets) > 1)
-            except OutOfBudget:
+            except (OutOfBudget, Thrashing, _Fighting):  # the op fails as it did without the fallback
                 raise joint from None
         except BaseException:
             self.release(pins)
@@ -128,9 +133,9 @@ class Remat:
                     except OutOfBudget:
                         _internal_assert(s.state is not State.RESIDENT, f"storage {s.sid}'s plan failed after it")
                 try:
-                    self._rebuild_narrow(s, op, newest_first=False)
-                except OutOfBudget:  # the other order: a deep chain's newest input first, before anything is held
-                    self._rebuild_narrow(s, op, newest_first=True)
+                    self._rebuild_narrow(s, op, {}, newest_first=False)
+                except (OutOfBudget, _Fighting):  # the other order: a deep chain's newest input first
+                    self._rebuild_narrow(s, op, {}, newest_first=True)
                 pins.append(s)
         except BaseException:
             self.release(pins)
@@ -138,13 +143,17 @@ class Remat:
         self.counters.restores_in_turn += 1
         return pins
 
-    def _rebuild_narrow(self, s: Storage, op, *, newest_first: bool) -> None:
+    def _rebuild_narrow(self, s: Storage, op, replays: dict, *, newest_first: bool) -> None:
         """Rebuild evicted `s` (left pinned) pinning only what each replay reads, while it runs: the same
         recursion one level down for each input, evicted inputs first, oldest or newest first among them (Note
         [Restore plans], fallback). An input restored earlier may be evicted by a later one's rebuild and comes
-        back at its turn."""
+        back at its turn. `replays` counts this attempt's replays per storage: a storage rebuilt a third time
+        means the rebuilds evict what they need next (their work would grow exponentially): _Fighting."""
         if s.payload.lost is not None:
             raise TensorLost(s.payload.lost)
+        n = replays[s.sid] = replays.get(s.sid, 0) + 1
+        if n > NARROW_REPLAYS:
+            raise _Fighting
         reads = _Node(s, None).reads()
         if any(version is not None for _, version in reads):  # old versions need a plan (Note [Old versions])
             self._rebuild([s], {s.sid}, [], op)
@@ -158,7 +167,7 @@ class Remat:
                 if b.state is State.RESIDENT:
                     self.memory.pin(b)
                 else:
-                    self._rebuild_narrow(b, op, newest_first=newest_first)
+                    self._rebuild_narrow(b, op, replays, newest_first=newest_first)
                     rebuilt.append(b)
                 held.append(b)
             self._replay(s, op, {})
@@ -273,9 +282,14 @@ class Remat:
         self._check_thrashing(op or str(d.recipe.func))
         memory = self.memory
         memory.restore(s, pinned=True, op=op or str(d.recipe.func))
-        for b in _inputs(s):
-            memory.touch(b)
-        cost = self._run_recipes(s, s.offset, len(d.mutations), shadows)
+        try:
+            for b in _inputs(s):
+                memory.touch(b)
+            cost = self._run_recipes(s, s.offset, len(d.mutations), shadows)
+        except BaseException:  # its bytes are not its value: evicted again, so nothing reads them or stays pinned
+            memory.unpin(s)
+            memory.evict(s)
+            raise
         self._replayed(cost)
         memory.touch(s)
 
@@ -416,6 +430,10 @@ class Remat:
         if s.evictable:
             self.memory.make_unevictable(s)
             self.counters.count_unevictable(self.memory.table.round_up(s.nbytes), +1)
+
+
+class _Fighting(Exception):
+    """Internal: a narrow rebuild replayed one storage more than NARROW_REPLAYS times."""
 
 
 def drop_recipe(s: Storage) -> None:

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from .arena import Arena
 from .dispatch import Dispatch
@@ -44,14 +46,26 @@ class Runtime:
         self.dispatch = Dispatch(self, recomputable_inplace=recomputable_inplace)
         self.mode = None  # the Budget's dispatch mode, set by the Budget (composite ops re-enter it)
         self.thread = threading.get_ident()  # the block's thread (the Budget creates its runtime on entering)
+        self.threads = weakref.WeakSet()      # other threads that ran ops through the mode (CUDA's autograd), as
+                                              # Thread objects: a new thread may reuse a finished one's ident
 
     def run(self, func, args, kwargs):
+        if threading.get_ident() != self.thread:
+            self.threads.add(threading.current_thread())
         return self.dispatch.run(func, args, kwargs)
 
+    def adopt_thread(self) -> None:
+        """Called before code that turns dispatch modes off and then runs ops on this block's tensors (`repr`): a
+        thread that runs with this block's mode (CUDA's autograd device threads) may do so."""
+        if threading.get_ident() != self.thread and self.mode in _get_current_dispatch_mode_stack():
+            self.threads.add(threading.current_thread())
+
     def check_thread(self, func) -> None:
-        """An arena tensor reached an op outside the Budget's dispatch mode while its block runs: from another
-        thread that would race with the block's evictions and placements, so it is refused."""
-        if threading.get_ident() != self.thread:
+        """An arena tensor reached an op outside the Budget's dispatch mode while its block runs: from a thread
+        that is not the block's (nor one that ran the block's ops, as the autograd engine's device threads do
+        on CUDA, where `repr` turns the mode off) that would race with the block's evictions and placements, so
+        it is refused."""
+        if threading.get_ident() != self.thread and threading.current_thread() not in self.threads:
             raise BudgetUsageError(
                 f"{func} got a tensor that lives in a Budget's arena while that Budget's block runs on another "
                 f"thread; its bytes may be evicted or moved at any moment there. Use it on the block's thread, or "

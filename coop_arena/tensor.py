@@ -143,6 +143,8 @@ class Tensor(torch.Tensor):
         if d.lost is not None:
             return f"coop_arena.Tensor(lost: {d.lost})"
         state = s.state.value
+        if d.runtime is not None:
+            d.runtime.adopt_thread()  # PyTorch's repr turns the modes off and runs ops (See check_thread)
         r = super().__repr__(tensor_contents=tensor_contents)
         if r.startswith("Parameter("):
             r = "Parameter containing:\n" + r[len("Parameter("):-1]

@@ -5,6 +5,7 @@ fit either, pinning only what each replay reads while it runs."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import coop_arena
 from coop_arena import OutOfBudget
@@ -34,9 +35,9 @@ def narrow_calls(monkeypatch):
     calls = []
     original = remat_module.Remat._rebuild_narrow
 
-    def spy(self, s, op, **kw):
+    def spy(self, s, op, replays, **kw):
         calls.append(s.sid)
-        return original(self, s, op, **kw)
+        return original(self, s, op, replays, **kw)
     monkeypatch.setattr(remat_module.Remat, "_rebuild_narrow", spy)
     return calls
 
@@ -74,3 +75,76 @@ def test_without_the_fallback_the_same_budgets_fail(plain_and_peak, monkeypatch,
     budget = coop_arena.Budget(peak * percents[0] // 100, device="cpu", policy=policy)
     _train(budget)
     assert budget.stats.restores_in_turn >= 1
+
+
+def test_a_replay_that_raises_leaves_its_storage_evicted_and_nothing_pinned(monkeypatch):
+    """A replay that fails halfway (an interrupt, a device error in a temporary) must not leave the storage it was
+    rebuilding resident with bytes that are not its value, nor pinned: it is evicted again and comes back
+    correctly at the next use."""
+    from coop_arena.storage import State
+    w = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+    expected = [x]
+    for _ in range(8):
+        expected.append(torch.tanh(expected[-1] @ w))
+
+    class Injected(Exception):
+        pass
+
+    original = remat_module.Remat._run_recipes
+    fired = []
+
+    def fail_once(self, s, offset, version, shadows):
+        if not fired:
+            fired.append(s.sid)
+            raise Injected
+        return original(self, s, offset, version, shadows)
+
+    budget = coop_arena.Budget(5 * 32 * 64 * 4, device="cpu")  # five activations of eight
+    with budget:
+        xs = [x]
+        for _ in range(8):
+            xs.append(torch.tanh(xs[-1] @ w))
+        evicted = [i for i, t in enumerate(xs) if i and t._cell.storage.state is State.EVICTED]
+        assert evicted, "the budget should have evicted some activations"
+        t = xs[evicted[0]]
+        monkeypatch.setattr(remat_module.Remat, "_run_recipes", fail_once)
+        with pytest.raises(Injected):
+            t + 1
+        assert fired and all(s.pins == 0 for s in budget.memory.resident())
+        assert t._cell.storage.state is State.EVICTED
+        budget.check_invariants()
+        assert torch.equal((t + 1).as_plain(), expected[evicted[0]] + 1)
+    assert all(torch.equal(a.as_plain(), b) for a, b in zip(xs[1:], expected[1:]))
+
+
+def test_a_fallback_past_max_overhead_fails_the_op_as_before(monkeypatch):
+    """When the fallback itself thrashes past `max_overhead`, the op fails with the joint plan's OutOfBudget, as
+    it did without the fallback (code that retries with a larger budget on OutOfBudget keeps working)."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(64, 64) for _ in range(12)]
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+
+    def step(budget):
+        with budget:
+            h = x
+            for layer in layers:
+                h = h + torch.tanh(layer(h))
+            (h * h).sum().backward()
+
+    probe = coop_arena.Budget(1 << 26, device="cpu")
+    step(probe)
+    seen = []
+    original = remat_module.Remat._acquire_in_turn
+
+    def spy(self, targets, op, *, plans):
+        try:
+            return original(self, targets, op, plans=plans)
+        except BaseException as e:
+            seen.append(type(e))
+            raise
+    monkeypatch.setattr(remat_module.Remat, "_acquire_in_turn", spy)
+    for percent in (20, 18):
+        with pytest.raises(OutOfBudget):
+            step(coop_arena.Budget(probe.stats.peak_bytes * percent // 100, device="cpu", max_overhead=10))
+    assert coop_arena.Thrashing in seen, "the fallback should have passed max_overhead at these budgets"

@@ -58,12 +58,14 @@ def test_an_arena_tensor_used_from_another_thread_during_the_block_is_refused():
     """Another thread would read bytes the block may evict or move at any moment: refused with a clear error. A
     thread that runs with the Budget's dispatch mode (as the autograd engine's device threads do on CUDA) goes
     through the mode as usual, and after the block any thread may use the tensor (it holds its own copy)."""
-    budget = coop_arena.Budget(1 << 20, device="cpu")
+    budget, other = coop_arena.Budget(1 << 20, device="cpu"), coop_arena.Budget(1 << 20, device="cpu")
     seen = []
 
     def use(t, mode=None):
         try:
             with mode if mode is not None else contextlib.nullcontext():
+                if mode is not None:  # PyTorch's repr turns the mode off and runs ops on the tensor
+                    seen.append(repr(t))
                 seen.append(t + 1)
         except coop_arena.BudgetUsageError as e:
             seen.append(e)
@@ -77,12 +79,25 @@ def test_an_arena_tensor_used_from_another_thread_during_the_block_is_refused():
         y = torch.ones(4) * 2
         in_thread(y)
         in_thread(y, budget._mode)
-        assert isinstance(seen[1], coop_arena.Tensor)  # placed in the arena by the Budget's mode
+        assert isinstance(seen[2], coop_arena.Tensor)  # placed in the arena by the Budget's mode
+        worker = threading.Thread(target=lambda: seen.append(_use_inside(other, y)))
+        worker.start()
+        worker.join()
     in_thread(y)
     assert isinstance(seen[0], coop_arena.BudgetUsageError)
     assert "aten.add.Tensor" in str(seen[0]) and "another thread" in str(seen[0])
-    assert torch.equal(seen[1].as_plain(), torch.full((4,), 3.0))
-    assert type(seen[2]) is torch.Tensor and torch.equal(seen[2], torch.full((4,), 3.0))
+    assert seen[1].startswith("coop_arena.Tensor(") and "tensor([2., 2., 2., 2.])" in seen[1]
+    assert torch.equal(seen[2].as_plain(), torch.full((4,), 3.0))
+    assert isinstance(seen[3], coop_arena.BudgetUsageError)  # from inside another Budget's block, too
+    assert type(seen[4]) is torch.Tensor and torch.equal(seen[4], torch.full((4,), 3.0))
+
+
+def _use_inside(budget, t):
+    try:
+        with budget:
+            return t + 1
+    except coop_arena.BudgetUsageError as e:
+        return e
 
 
 def test_an_interrupt_while_a_block_ends_leaves_the_budget_usable_from_its_thread(monkeypatch):
