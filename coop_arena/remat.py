@@ -147,8 +147,8 @@ class Remat:
         """Rebuild evicted `s` (left pinned) pinning only what each replay reads, while it runs: the same
         recursion one level down for each input, evicted inputs first, oldest or newest first among them (Note
         [Restore plans], fallback). An input restored earlier may be evicted by a later one's rebuild and comes
-        back at its turn. `replays` counts this attempt's replays per storage: a storage rebuilt a third time
-        means the rebuilds evict what they need next (their work would grow exponentially): _Fighting."""
+        back at its turn. `replays` counts this attempt's replays per storage: one rebuilt more than NARROW_REPLAYS
+        times means the rebuilds evict what they need next (their work would grow exponentially): _Fighting."""
         if s.payload.lost is not None:
             raise TensorLost(s.payload.lost)
         n = replays[s.sid] = replays.get(s.sid, 0) + 1
