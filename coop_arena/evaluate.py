@@ -94,7 +94,8 @@ def run_once(model, inputs, nbytes: int, config: str) -> dict:
             "eviction_events": st.eviction_events, "rematerializations": st.rematerializations,
             "search_seconds": st.search_seconds, "search_seconds_per_event": st.search_seconds_per_event,
             "fragmentation": st.fragmentation, "peak_bytes": st.peak_bytes, "relocated_bytes": st.relocated_bytes,
-            "compactions": st.compactions, "seconds": time.perf_counter() - t0}
+            "compactions": st.compactions, "restores_in_turn": st.restores_in_turn,
+            "seconds": time.perf_counter() - t0}
 
 
 def sweep_model(name: str, batch: int | None, sweep: Sweep, progress: tqdm | None = None) -> dict:

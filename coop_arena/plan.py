@@ -102,12 +102,17 @@ def plan(spec: str, batch: int | None, budget_text: str, console: Console | None
             step(model, inputs, b)
             st = b.stats
             row = {"fits": True, "compute_overhead": st.compute_overhead, "evictions": st.evictions,
-                   "fragmentation": st.fragmentation, "peak_bytes": st.peak_bytes}
-            table.add_row(policy, "yes", f"{st.compute_overhead:.3f}x", str(st.evictions), f"{st.fragmentation:.3f}",
-                          f"{st.peak_bytes / 2**20:.1f} MiB")
+                   "fragmentation": st.fragmentation, "peak_bytes": st.peak_bytes,
+                   "restores_in_turn": st.restores_in_turn}
+            table.add_row(policy, "yes*" if st.restores_in_turn else "yes", f"{st.compute_overhead:.3f}x",
+                          str(st.evictions), f"{st.fragmentation:.3f}", f"{st.peak_bytes / 2**20:.1f} MiB")
         except OutOfBudget as e:
             row = {"fits": False, "error": str(e)}
             table.add_row(policy, f"no ({e.op})", "-", "-", "-", "-")
         result["policies"][policy] = row
     console.print(table)
+    if any(r.get("restores_in_turn") for r in result["policies"].values()):
+        console.print("* fits only because some ops' inputs, which did not fit back at once, were restored one at a "
+                      "time (stats.restores_in_turn, Note [Restore plans]): this budget is at the edge, where small "
+                      "changes to the model or the batch may not fit.")
     return result

@@ -148,3 +148,25 @@ def test_a_fallback_past_max_overhead_fails_the_op_as_before(monkeypatch):
         with pytest.raises(OutOfBudget):
             step(coop_arena.Budget(probe.stats.peak_bytes * percent // 100, device="cpu", max_overhead=10))
     assert coop_arena.Thrashing in seen, "the fallback should have passed max_overhead at these budgets"
+
+
+def attention_model(batch):
+    """The attention model on SHAPE, for `plan("test_restores:attention_model", ...)` (module:function)."""
+    from test_relocation import Attention
+    torch.manual_seed(0)
+    return Attention(), torch.randn(batch, *SHAPE[1:])
+
+
+def test_plan_marks_a_budget_that_fits_only_through_the_fallback():
+    """A dry run on meta takes the same decisions: `coop-arena plan` reports which policies fit only by restoring
+    inputs one at a time, so a user sees that the budget is at the edge."""
+    import io
+    from rich.console import Console
+    from coop_arena.plan import plan
+    out = io.StringIO()
+    result = plan("test_restores:attention_model", 8, "0.55", Console(file=out, width=150))
+    coop = result["policies"]["coop"]
+    assert coop["fits"] and coop["restores_in_turn"] >= 1 and coop["evictions"] > 0
+    assert "yes*" in out.getvalue() and "restored one at a time" in out.getvalue()
+    roomy = plan("test_restores:attention_model", 8, "0.9", Console(file=io.StringIO()))
+    assert all(r["fits"] and r["restores_in_turn"] == 0 for r in roomy["policies"].values())
