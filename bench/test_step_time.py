@@ -1,5 +1,5 @@
 """CPU step time of real models: plain PyTorch, a Budget with ample memory (the dispatch overhead) and a
-Budget at 50 % of the plain peak, per policy, side by side in one run. Targets: ample <= 1.15x plain,
+Budget at 50 % of the plain peak, per policy, side by side in one run. Targets: ample <= 1.10x plain,
 50 % <= 1.35x plain. `python bench/report.py step_time` turns the JSON into bench/results/step_time.md."""
 
 from __future__ import annotations

@@ -199,3 +199,19 @@ def test_parallel_sweep_gives_the_same_numbers():
     assert _without_timings(one) == _without_timings(two)
     with pytest.raises(ValueError, match="jobs must be a positive int"):
         evaluate(["mlp"], sweep, console=QUIET, jobs=0)
+
+
+def test_step_time_report_is_the_whole_results_file():
+    """`make bench` rewrites bench/results/step_time.md from the JSON alone: the committed file is exactly what the
+    report makes of the committed JSON (command, table, targets with met or missed)."""
+    import pathlib
+    import sys
+    root = pathlib.Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root / "bench"))
+    try:
+        import report
+    finally:
+        sys.path.remove(str(root / "bench"))
+    text = report.step_time(str(root / "bench/results/step_time.json"))
+    assert text + "\n" == (root / "bench/results/step_time.md").read_text()  # as printed by `report.py`
+    assert "## Targets" in text and "<= 1.10x plain" in text and "<= 1.35x plain" in text
