@@ -131,8 +131,8 @@ class Dispatch:
             if i in owner:
                 plain[i], recorded[i] = self.arena_arg(x, owner[i])
             elif isinstance(x, torch.Tensor):  # See Rule 1: read, never moved
-                if isinstance(x, Tensor) and x._cell.storage.payload.runtime is not None:
-                    x._cell.storage.payload.runtime.check_thread(call.func)  # another Budget's block, running
+                if isinstance(x, Tensor):
+                    x._check_thread(call.func)  # another Budget's block, running on another thread
                 p = x.as_plain() if isinstance(x, Tensor) else x
                 if p.device != self.device and p.dim() > 0 and (p.is_floating_point() or p.is_complex()):
                     # (integer and bool tensors on the CPU are indices, masks and lengths, which PyTorch's

@@ -13,9 +13,9 @@ The Rules (../shared DESIGN numbering, extended) are written at the top of the m
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
-import weakref
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -46,26 +46,32 @@ class Runtime:
         self.dispatch = Dispatch(self, recomputable_inplace=recomputable_inplace)
         self.mode = None  # the Budget's dispatch mode, set by the Budget (composite ops re-enter it)
         self.thread = threading.get_ident()  # the block's thread (the Budget creates its runtime on entering)
-        self.threads = weakref.WeakSet()      # other threads that ran ops through the mode (CUDA's autograd), as
-                                              # Thread objects: a new thread may reuse a finished one's ident
+        self._reading = threading.local()    # .active: this thread is inside `reading()` (repr)
 
     def run(self, func, args, kwargs):
-        if threading.get_ident() != self.thread:
-            self.threads.add(threading.current_thread())
         return self.dispatch.run(func, args, kwargs)
 
-    def adopt_thread(self) -> None:
-        """Called before code that turns dispatch modes off and then runs ops on this block's tensors (`repr`): a
-        thread that runs with this block's mode (CUDA's autograd device threads) may do so."""
-        if threading.get_ident() != self.thread and self.mode in _get_current_dispatch_mode_stack():
-            self.threads.add(threading.current_thread())
+    def _ours(self) -> bool:
+        """Whether this thread may touch the block's bytes: the block's own, or one that runs with the block's
+        mode (CUDA's autograd device threads), now or around a `reading()` that turned the mode off."""
+        return (threading.get_ident() == self.thread or getattr(self._reading, "active", False)
+                or self.mode in _get_current_dispatch_mode_stack())
+
+    @contextlib.contextmanager
+    def reading(self):
+        """Around code that turns dispatch modes off and then runs ops on this block's tensors (PyTorch's repr):
+        a thread that may touch them before keeps that right inside."""
+        was = getattr(self._reading, "active", False)
+        self._reading.active = was or self._ours()
+        try:
+            yield
+        finally:
+            self._reading.active = was
 
     def check_thread(self, func) -> None:
-        """An arena tensor reached an op outside the Budget's dispatch mode while its block runs: from a thread
-        that is not the block's (nor one that ran the block's ops, as the autograd engine's device threads do
-        on CUDA, where `repr` turns the mode off) that would race with the block's evictions and placements, so
-        it is refused."""
-        if threading.get_ident() != self.thread and threading.current_thread() not in self.threads:
+        """An arena tensor reached an op outside the Budget's dispatch mode while its block runs: from another
+        thread (see _ours) that would race with the block's evictions and placements, so it is refused."""
+        if not self._ours():
             raise BudgetUsageError(
                 f"{func} got a tensor that lives in a Budget's arena while that Budget's block runs on another "
                 f"thread; its bytes may be evicted or moved at any moment there. Use it on the block's thread, or "

@@ -33,6 +33,8 @@ Limitations: inside the block, `numpy.asarray(t)` is a copy (numpy allows one; `
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -87,14 +89,20 @@ class Tensor(torch.Tensor):
         if func is aten.detach.default and not args[0]._inside():
             return args[0]._alias()
         for x in tree_leaves((args, kwargs)):
-            if isinstance(x, Tensor) and x._cell.storage.payload.runtime is not None:
-                x._cell.storage.payload.runtime.check_thread(func)
+            if isinstance(x, Tensor):
+                x._check_thread(func)
         unwrap = lambda x: x.as_plain() if isinstance(x, Tensor) else x
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
 
     # ================================================== paths outside aten dispatch (See Note [Escaped tensors])
     def _inside(self) -> bool:
         return self._cell.storage.payload.runtime is not None
+
+    def _check_thread(self, func) -> None:
+        """Inside the block, from another thread than the block's: BudgetUsageError (Runtime.check_thread)."""
+        runtime = self._cell.storage.payload.runtime
+        if runtime is not None:
+            runtime.check_thread(func)
 
     def _plain(self, plain: torch.Tensor) -> torch.Tensor:
         """`plain` with this tensor's requires_grad, as an nn.Parameter if this tensor is one."""
@@ -143,9 +151,8 @@ class Tensor(torch.Tensor):
         if d.lost is not None:
             return f"coop_arena.Tensor(lost: {d.lost})"
         state = s.state.value
-        if d.runtime is not None:
-            d.runtime.adopt_thread()  # PyTorch's repr turns the modes off and runs ops (See check_thread)
-        r = super().__repr__(tensor_contents=tensor_contents)
+        with d.runtime.reading() if d.runtime is not None else contextlib.nullcontext():
+            r = super().__repr__(tensor_contents=tensor_contents)  # turns the modes off and runs ops on `self`
         if r.startswith("Parameter("):
             r = "Parameter containing:\n" + r[len("Parameter("):-1]
         r = r.replace("Tensor(", "tensor(", 1)
