@@ -477,10 +477,8 @@ class Memory:
         if not moved:
             return None
         _, holes = self._holes_outside(plan)
-        cost, moves, evict = 0.0, [], [i for i in plan.victims if not cand[i]]
-        for i in plan.victims:
-            if not cand[i]:
-                cost += float(h[i])
+        moves, evict = [], [i for i in plan.victims if not cand[i]]
+        cost = sum(float(h[i]) for i in evict)
         for i in moved:
             at = _take_hole(holes, int(sizes[i]))
             if at is None:
