@@ -27,9 +27,10 @@ read by nothing: infinite, price 0). Measured as a monkeypatch on coop, second b
   0.5/0.3 1.404x/1.653x -> 1.344x/1.508x, Inception V3 0.3 1.185x -> 1.158x, GPT-2 0.5 1.135x -> 1.122x;
 - worse: Swin-T 0.25/0.2 1.153x/1.360x -> 1.258x/1.513x, and at 0.15 the second block raised OutOfBudget
   where the first fit; ResNet-50 0.2 1.357x -> 1.680x; BERT-Large 0.1 1.428x -> 1.684x.
-Two variants moved the losses elsewhere: the distance in ops instead of cost (Swin-T 0.2 1.216x, but Inception
-V3 0.2 1.738x), and counting resident dependents' reads too (much worse everywhere: Swin-T 0.2 3.28x). A later
-step that fails where the first fitted would end a training run, so staleness stays.
+Variants moved the losses elsewhere: the distance in ops instead of cost (Swin-T 0.2 1.216x, but Inception V3
+0.2 1.738x); the geometric mean of staleness and that distance (Inception V3 0.3 1.474x, BERT-Large 0.1
+1.756x); counting resident dependents' reads too was worse everywhere (Swin-T 0.2 3.28x). A later step that
+fails where the first fitted would end a training run, so staleness stays.
 """
 
 from __future__ import annotations
