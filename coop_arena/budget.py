@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .arena import Arena, check_backend, resolve_device
 from .bookkeeping import Bookkeeping
 from .errors import ArenaAllocationError, BudgetUsageError, CompileNotApplied, _fmt
+from .lifetime import pause_collection, resume_collection
 from .memory import Memory
 from .ops import flatten
 from .optimizer import Steps
@@ -186,6 +187,7 @@ class Budget:
         self._mode.__enter__()
         self._bookkeeping.open()
         _active.budget = self
+        pause_collection()  # the last step of opening: nothing after it can fail (Note [Cyclic collection])
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if self._mode is None or self._owner != threading.get_ident():
@@ -202,11 +204,16 @@ class Budget:
             try:
                 rt.finish(failed=exc_type is not None)
             finally:
-                self._stats = self._collect(rt)
-                self._trace = list(self.memory.trace.events)
-                self.memory.reset()
-                self._runtime = None
-                self._owner = None
+                try:
+                    self._stats = self._collect(rt)
+                    self._trace = list(self.memory.trace.events)
+                    rt.close()
+                    self._bookkeeping.settle = None
+                    self.memory.reset()
+                    self._runtime = None
+                    self._owner = None
+                finally:
+                    resume_collection()  # even after an interrupt above (Note [Cyclic collection])
         return False
 
     def _explain_thrashing(self) -> str:

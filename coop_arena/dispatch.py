@@ -468,6 +468,7 @@ class Dispatch:
         for s in targets:
             if replayable and s.payload.recipe is not None:
                 s.payload.mutations.append(recipe)
+                self.lifetime.written[s.sid] = s
                 self.memory.add_write(s, recipe.cost, call.inputs)
             else:
                 self.remat.make_unevictable(s)
@@ -548,6 +549,7 @@ class Dispatch:
         finally:
             self.memory.unpin(new)
         new.payload.mutations.append(recipe)
+        self.lifetime.written[new.sid] = new
         self.memory.add_write(new, recipe.cost, [b for b in call.inputs if b is not old])
         self._note_external_reads(call.recorded, [new])
         return self._results_of_write(call, out, [new])

@@ -157,6 +157,14 @@ class Runtime:
     def finish(self, failed: bool = False) -> None:
         self.lifetime.finish(self.remat, failed)
 
+    def close(self) -> None:
+        """After the block, once its statistics are read: drop the references between the runtime's parts, so
+        that they, and the records only they reach, are freed at once rather than by Python's cycle collection
+        (Note [Cyclic collection] in lifetime.py)."""
+        if self.memory.mover == self.copy_bytes:
+            self.memory.mover = None
+        self.dispatch = self.remat = self.lifetime = self.mode = self.bookkeeping = None
+
 
 def raise_recursion_limit(n: int = 20_000) -> None:
     """Deep autograd graphs and recipe argument trees recurse in PyTorch's own code."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 import torch.nn as nn
 
 import coop_arena
+from coop_arena import lifetime
 from coop_arena.storage import State
 from training import bitwise_equal, state, train
 
@@ -266,6 +268,117 @@ def test_wrapper_leaves_no_reference_cycle():
         assert s() is None, "a storage outlived its tensors without the cycle collector"
     finally:
         gc.enable()
+
+
+def _older_collections_wait() -> bool:
+    return gc.get_threshold()[1:] == (lifetime._NEVER, lifetime._NEVER)
+
+
+def test_older_collections_wait_inside_blocks_and_the_thresholds_come_back():
+    """Note [Cyclic collection]: only young collections inside a block, also one that raises; thresholds the
+    program had set come back as they were."""
+    before = gc.get_threshold()
+    budget = coop_arena.Budget(1 << 20, device="cpu")
+    with budget:
+        assert _older_collections_wait() and gc.get_threshold()[0] == before[0] and gc.isenabled()
+        y = torch.ones(8) * 2
+    assert gc.get_threshold() == before and torch.equal(y, torch.full((8,), 2.0))
+    with pytest.raises(ZeroDivisionError):
+        with budget:
+            assert _older_collections_wait()
+            1 / 0
+    assert gc.get_threshold() == before
+    gc.set_threshold(500, 7, 3)
+    try:
+        with budget:
+            assert gc.get_threshold() == (500, lifetime._NEVER, lifetime._NEVER)
+        assert gc.get_threshold() == (500, 7, 3)
+    finally:
+        gc.set_threshold(*before)
+
+
+def test_the_thresholds_come_back_when_the_last_block_of_two_threads_ends():
+    before = gc.get_threshold()
+    inside, leave = threading.Event(), threading.Event()
+
+    def other():
+        with coop_arena.Budget(1 << 20, device="cpu"):
+            inside.set()
+            leave.wait(30)
+
+    t = threading.Thread(target=other)
+    t.start()
+    try:
+        assert inside.wait(30)
+        with coop_arena.Budget(1 << 20, device="cpu"):
+            y = torch.ones(8) * 2
+        assert _older_collections_wait(), "the other thread's block still runs"
+    finally:
+        leave.set()
+        t.join()
+    assert gc.get_threshold() == before and torch.equal(y, torch.full((8,), 2.0))
+
+
+def test_block_exit_frees_an_evicted_tensor_held_by_a_cycle_with_a_young_collection():
+    """An evicted storage whose last wrapper sits in a reference cycle made in the block: the exit collects the
+    young generations (what the block made), which frees it; no full collection runs and nothing is replayed."""
+    budget = coop_arena.Budget(64 << 10, device="cpu")  # four 16 KiB tensors
+    generations = []
+
+    def seen(phase, info):
+        if phase == "start":
+            generations.append(info["generation"])
+
+    gc.callbacks.append(seen)
+    try:
+        with budget:
+            kept = torch.randn(4096) * 2
+            storage = weakref.ref(kept._cell.storage)
+            cycle = [kept]
+            cycle.append(cycle)
+            del kept
+            fillers = [torch.randn(4096) * 2 for _ in range(4)]
+            assert storage().state is State.EVICTED
+            del cycle, fillers
+            made = len(generations)
+    finally:
+        gc.callbacks.remove(seen)
+    assert generations[made:] == [1], "one collection of the young generations at the exit, no full one"
+    assert 2 not in generations and storage() is None
+    assert budget.stats.evictions >= 1 and budget.stats.exit_rematerializations == 0
+
+
+def test_a_tight_training_step_leaves_no_record_in_a_reference_cycle():
+    """Records die by reference counting (Note [Cyclic collection]): in-place writes (ReLU(inplace), +=) under
+    eviction, then a full collection finds none of the engine's objects as garbage."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(32, 32), nn.ReLU(inplace=True))])
+    x = torch.randn(64, 32)
+
+    def step(budget):
+        with budget:
+            h = model(x) * 2
+            h += 1
+            h.square().sum().backward()
+
+    probe = coop_arena.Budget(1 << 24, device="cpu")
+    step(probe)
+    budget = coop_arena.Budget(probe.stats.peak_bytes // 2, device="cpu")
+    step(budget)
+    assert budget.stats.evictions > 0 and budget.stats.rematerializations > 0
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        step(budget)
+        gc.collect()
+        kinds = {type(o).__name__ for o in gc.garbage if type(o).__module__.startswith("coop_arena")}
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert budget.stats.evictions > 0 and budget.stats.rematerializations > 0
+    assert not kinds, f"records left in reference cycles: {sorted(kinds)}"
+    for p in model.parameters():
+        p.grad = None
 
 
 def test_soak_500_steps_occupancy_and_objects():
