@@ -66,6 +66,13 @@ def _copy_bytes_kernel(
 
 
 @triton.jit
+def _num_tiles(n, BLOCK: tl.constexpr):
+    """Tiles of BLOCK bytes that cover n bytes. n is widened first: Triton passes an n below 2**31 as int32, in which
+    n + BLOCK - 1 wraps negative for the last BLOCK - 1 values (a move of just under 2 GiB would copy nothing)."""
+    return tl.cdiv(n.to(tl.int64), BLOCK)
+
+
+@triton.jit
 def _move_serial_kernel(
     src_ptr,  # *uint8: first byte to read (a view into the arena)
     dst_ptr,  # *uint8: first byte to write (same arena); the ranges may overlap in either direction
@@ -74,7 +81,7 @@ def _move_serial_kernel(
     BLOCK: tl.constexpr,  # bytes per tile
 ):
     # Launched with one program; see Note [Overlap-safe arena_move] for why this order is safe.
-    num_tiles = tl.cdiv(n, BLOCK)
+    num_tiles = _num_tiles(n, BLOCK)
     for step in range(0, num_tiles):
         if FORWARD:
             tile = step

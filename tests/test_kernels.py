@@ -421,3 +421,19 @@ def test_gpu_bias_gelu():
 @_gpu
 def test_gpu_seeded_dropout():
     _check_dropout("cuda", numel=(1 << 22) + 3, tolerance=0.005)
+
+
+def test_serial_move_counts_its_tiles_in_64_bits_just_under_2_gib():
+    """Triton passes a size below 2**31 as int32; counting tiles there wrapped negative for the last 4095 sizes
+    below 2 GiB, and the serial move of such a block copied nothing (kcopy._num_tiles)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def tiles(out, n, BLOCK: tl.constexpr):
+        tl.store(out, kcopy._num_tiles(n, BLOCK))
+
+    for n in (1, kcopy.SERIAL_BLOCK, 2**31 - kcopy.SERIAL_BLOCK, 2**31 - 100, 2**31 - 1, 2**31 + 100):
+        out = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+        tiles[(1,)](out, n, BLOCK=kcopy.SERIAL_BLOCK)
+        assert out.item() == -(-n // kcopy.SERIAL_BLOCK), n
