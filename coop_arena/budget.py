@@ -98,11 +98,19 @@ class _Mode(TorchDispatchMode):
                 if isinstance(x, torch.Tensor) and type(x) in types:
                     self.runtime.lifetime.watch_leaf(x)
             return NotImplemented  # another tensor subclass (FSDP2's DTensor) unwraps first; its ops come back here
-        if self.arena.stream is not None:  # CUDA: Note [Streams] in arena.py
+        if self.arena.stream is not None and not self._engines_own(args, kwargs):  # CUDA: Note [Streams] in arena.py
             self.arena.check_stream(func)
         if self.steps.frames and self.steps.plain(args, kwargs):
             return func(*args, **kwargs)  # See Rule 1: a step of an optimizer runs as without a Budget
         return self.runtime.run(func, args, kwargs)
+
+
+    def _engines_own(self, args, kwargs) -> bool:
+        """An op of another engine's work that reads nothing from the arena (bookkeeping.py; FSDP2 runs its
+        all-gathers and reduce-scatters on streams of its own): it runs outside the arena, so on any stream."""
+        bookkeeping = self.runtime.bookkeeping
+        return (bookkeeping is not None and bookkeeping.active()
+                and not any(isinstance(x, Tensor) for x in flatten(args, kwargs)[0]))
 
 
 class Budget:

@@ -290,6 +290,25 @@ def test_a_block_on_a_new_stream_waits_for_the_previous_one(streams):
     assert streams.b.waited == [streams.a]
 
 
+def test_an_engines_own_op_may_run_on_its_own_stream(streams):
+    """FSDP2 runs its all-gathers on streams of its own; those ops read nothing from the arena and run outside it
+    (bookkeeping.py), so the stream guard lets them through. An op of the step on that stream is still refused."""
+    budget = coop_arena.Budget(1 << 20, device="cpu")
+    w = torch.randn(16, 16)
+    with budget:
+        y = w @ w
+        bookkeeping = budget._runtime.bookkeeping
+        bookkeeping.active = lambda: True  # an engine's hook runs (FSDP2's pre-forward all-gather)
+        streams.current = streams.b
+        gathered = torch.cat([w, w]) * 2  # plain tensors while an engine's hook runs: not the step's
+        assert type(gathered) is torch.Tensor and torch.equal(gathered, torch.cat([w, w]) * 2)
+        with pytest.raises(coop_arena.BudgetUsageError, match="stream 0xb.*stream 0xa"):
+            y.relu()
+        streams.current = streams.a
+        del bookkeeping.active
+        z = y.relu().sum()
+    assert budget.stats.ops == 3 and torch.equal(z, (w @ w).relu().sum())
+
 
 # ------------------------------------------------------------------------------------- the prepared GPU check
 ROOT = Path(__file__).resolve().parents[1]
