@@ -54,14 +54,14 @@ evaluate-quick: $(EVAL_VENV)/.installed
 
 # The GPU check (bench/gpu_check.py: the @pytest.mark.gpu layer, kernel bandwidth, GPT-2 and ResNet-50 under
 # Budgets; under 8 minutes; every part skipped with a reason where there is no GPU). It installs nothing where
-# torch and triton are already installed: it runs .venv's Python if that imports them (with CUDA, where
+# torch, triton and numpy are already installed: it runs .venv's Python if that imports them (with CUDA, where
 # nvidia-smi sees a GPU), else the first of $(PYTHON), python3, python that does, as it is (gpu_check.py's
 # children import this checkout; no venv, whose --system-site-packages would hide a torch installed in another
 # venv, and no build, which needs setuptools and wheel). Only where no Python has torch does it fall back to
 # .venv/.installed (a download).
 HAS_GPU    := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
 GPU_VENV   := .venv-gpu
-GPU_PROBE  := import sys, torch, triton; sys.exit(0 if torch.cuda.is_available() or not $(HAS_GPU) else 1)
+GPU_PROBE  := import sys, numpy, torch, triton; sys.exit(0 if torch.cuda.is_available() or not $(HAS_GPU) else 1)
 gpu-check:
 	@py=""; \
 	if [ -x $(PY) ] && $(PY) -c "$(GPU_PROBE)" >/dev/null 2>&1; then py=$(PY); \
