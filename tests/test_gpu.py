@@ -139,6 +139,27 @@ def test_random_ops_recompute_the_same_bits_on_cuda():
         assert torch.equal(got[name].as_plain(), expected[name]), name
 
 
+def test_a_cudnn_lstm_with_dropout_replays_the_same_bits():
+    """A multi-layer LSTM's inter-layer dropout on cuDNN draws from cuDNN's own state buffer (an argument of the
+    op, which cuDNN may advance), not only from the CUDA generator that a replay restores (Rule 4). Its output,
+    evicted and replayed, must be the bits first computed, or the engine must keep it resident (unevictable)."""
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(64, 128, num_layers=2, dropout=0.3, device="cuda")
+    x = torch.randn(16, 8, 64, device="cuda")
+    budget = coop_arena.Budget(1 << 26, device="cuda")
+    with budget:
+        out, _ = lstm(x)
+        first = out.as_plain().clone()
+        storage = out._cell.storage
+        if storage.evictable:
+            budget.memory.evict(storage)  # the next read replays _cudnn_rnn
+            again = out.as_plain().clone()
+            assert storage.state is State.RESIDENT and budget.stats.rematerializations >= 1
+            assert torch.equal(first, again), "the replayed LSTM drew another dropout mask"
+        out.sum().backward()
+    assert all(p.grad is not None for p in lstm.parameters())
+
+
 # ---------------------------------------------------------------------------------------------- relocation
 @compiled
 def test_arena_move_on_cuda_is_a_memmove():
