@@ -58,7 +58,8 @@ Approach:
   Decisions are those of before wherever no cycle that outlived a young collection held a block's wrapper: the
   traces of the host-overhead workloads and of the suite's check points are identical.
 Limitations: reference cycles that outlive a young collection inside a block (user objects included) wait for
-  the block's end. A program that changes the collector's thresholds while a block runs gets them back as they
+  the block's end. Where blocks of several threads overlap without a gap, no full collection runs on its own
+  until they stop. A program that changes the collector's thresholds while a block runs gets them back as they
   were when the first block began.
 """
 
