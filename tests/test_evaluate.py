@@ -100,7 +100,8 @@ def test_targets_are_decided_by_the_numbers():
             runs[name] = {"runs": rs, "smallest_ratio": min((r for r, o in pts if o is not None), default=None)}
         return {"kind": kind, "lower_bound_ratio": lb, "runs": runs}
     results = {"sweep": {"configs": ["coop", "dtr", "dte"], "step": 0.1}, "models": {
-        "a": model("cnn", 0.1, coop=[(1.0, 1.0), (0.5, 1.04), (0.4, 1.1), (0.3, 1.2), (0.2, 1.9)],
+        "a": model("cnn", 0.1, coop=[(1.0, 1.0), (0.5, 1.04), (0.4, 1.1), (0.3, 1.2), (0.2, 1.9), (0.1, None),
+                                     (0.15, 3.0), (0.125, None)],
                    dtr=[(1.0, 1.0), (0.5, 1.3), (0.4, None)], dte=[(1.0, 1.0), (0.5, 1.03), (0.45, 1.05), (0.4, None)]),
         "b": model("rnn", 0.1, coop=[(1.0, 1.0), (0.5, 1.5), (0.3, None)], dtr=[(1.0, 1.0), (0.5, 1.4), (0.3, None)],
                    dte=[(1.0, 1.0), (0.3, None)]),
@@ -113,7 +114,8 @@ def test_targets_are_decided_by_the_numbers():
     assert t["coop's overhead <= min(dtr, dte) + 2%"] == ("b@0.5: coop 1.500x > 1.400x; "
                                                          "c@0.5: coop does not fit, best baseline 1.020x; "
                                                          "c@0.4: coop does not fit, best baseline 1.300x")
-    assert t["no cliff"] == "a@0.2: 1.900x vs 1.200x at +0.1"
+    # a@0.15 was added by the refinement: nothing was run at 0.25, so its partner is 0.2, the nearest below that
+    assert t["no cliff"] == "a@0.2: 1.900x vs 1.200x at +0.1; a@0.15: 3.000x vs 1.900x at 0.2"
     assert t["coop's smallest feasible ratio <= dte's"] == "c: coop 1.0 vs dte 0.4"
     assert t["coop's smallest feasible ratio within 2x of the lower bound"] == (
         "b: 0.5 vs lower bound 0.100; c: 1.0 vs lower bound 0.100")
