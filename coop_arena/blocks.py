@@ -103,7 +103,8 @@ class BlockTable:
         """Position in address order of the block starting at `offset`."""
         offsets = self.offsets
         i = int(offsets.searchsorted(offset))
-        _internal_assert(i < self._n and offsets[i] == offset, f"no block starts at offset {offset}")
+        if not (i < self._n and offsets[i] == offset):
+            _internal_assert(False, f"no block starts at offset {offset}")
         return i
 
     def block(self, i: int) -> tuple[int, int, int]:
@@ -119,7 +120,8 @@ class BlockTable:
             j = bisect.bisect_right(self._free_at, offset) - 1
             b = self._at[self._free_at[j]] if j >= 0 else -1
             if b < 0 or self._off[b] + self._size[b] <= offset:
-                _internal_assert(0 <= offset < self.usable, f"offset {offset} is outside [0, {self.usable})")
+                if not 0 <= offset < self.usable:
+                    _internal_assert(False, f"offset {offset} is outside [0, {self.usable})")
                 return self.block(int(self.offsets.searchsorted(offset, side="right")) - 1)
         return self._off[b], self._size[b], self._owner[b]
 

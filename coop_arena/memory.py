@@ -590,7 +590,8 @@ class Memory:
         st.evictions += len(victims)
         st.evicted_bytes += evicted
         for v in victims:  # first: some relocation destinations are ranges of victims outside the window
-            _internal_assert(v is not None and v.pins == 0 and v.evictable, f"{plan} picked an unevictable block")
+            if not (v is not None and v.pins == 0 and v.evictable):
+                _internal_assert(False, f"{plan} picked an unevictable block")
             self._evict(v)
         if slide:
             self._slide(moves)

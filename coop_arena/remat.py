@@ -213,7 +213,8 @@ class Remat:
                         boundary[b.sid] = b
                     elif version is not None or b.state is State.EVICTED:
                         mark = seen.get(key)
-                        _internal_assert(mark != 1, f"storage {b.sid} is its own ancestor")
+                        if mark == 1:
+                            _internal_assert(False, f"storage {b.sid} is its own ancestor")
                         if mark is None:
                             if b.payload.lost is not None:
                                 raise TensorLost(b.payload.lost)
