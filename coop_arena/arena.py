@@ -36,6 +36,8 @@ Note [Streams]
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .errors import BudgetUsageError, _internal_assert
@@ -164,16 +166,28 @@ class Arena:
             self._move(src, dst, nbytes)
 
     def _pick_mover(self, copy_kernel: bool | None):
-        if copy_kernel is None:
-            copy_kernel = self.device.type == "cuda"
-        if not copy_kernel:
+        """The function `move` copies with. By default (None) the Triton kernel on CUDA, tried once here on a few
+        bytes of the fresh buffer: where Triton is missing or cannot build its launcher (no C compiler), the
+        arena warns and uses `copy_`, rather than failing at the first relocation in the middle of a step."""
+        if copy_kernel is False or (copy_kernel is None and self.device.type != "cuda"):
             return self._move_torch
-        from .kernels import kernels_available
-        if not kernels_available(self.device):
-            raise ValueError(f"copy_kernel=True, but the Triton kernels cannot run on {self.device} here (on the "
-                             f"CPU only in Triton's interpreter, TRITON_INTERPRET=1 before triton is imported)")
-        from .kernels.copy import arena_move
-        return lambda src, dst, nbytes: arena_move(self.buffer, src, dst, nbytes)
+        try:
+            from .kernels import kernels_available
+            if not kernels_available(self.device):
+                raise ValueError(f"copy_kernel=True, but the Triton kernels cannot run on {self.device} here (on "
+                                 f"the CPU only in Triton's interpreter, TRITON_INTERPRET=1 before triton is "
+                                 f"imported)")
+            from .kernels.copy import arena_move
+            mover = lambda src, dst, nbytes: arena_move(self.buffer, src, dst, nbytes)  # noqa: E731
+            if copy_kernel is None and self.nbytes >= 1024:
+                mover(0, 512, 512)  # the buffer holds nothing yet: a real launch, nothing to lose
+        except Exception as e:
+            if copy_kernel:
+                raise
+            warnings.warn(f"coop_arena: the Triton copy kernel cannot run on {self.device} ({type(e).__name__}: "
+                          f"{str(e)[:200]}); arena moves use torch's copy_ instead", RuntimeWarning, stacklevel=3)
+            return self._move_torch
+        return mover
 
     def _move_torch(self, src: int, dst: int, nbytes: int) -> None:
         source = self.bytes(src, nbytes)

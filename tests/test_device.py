@@ -234,6 +234,33 @@ def test_move_on_meta_does_nothing_and_ranges_are_checked():
             cpu.move(src, dst, n)
 
 
+
+def test_a_copy_kernel_that_cannot_run_falls_back_to_copy_with_a_warning(monkeypatch):
+    """On CUDA the Triton kernel is tried once when the arena is made (the logic, with CUDA stood in for): a
+    Triton that cannot build its launcher gives a warning and copy_, not a failure at the first relocation;
+    asked for explicitly (copy_kernel=True) it is an error."""
+    import coop_arena.kernels as kernels
+    import coop_arena.kernels.copy as kcopy
+    arena = Arena(8192, torch.device("cpu"), 8192)
+    arena.device = torch.device("cuda")
+    monkeypatch.setattr(kernels, "kernels_available", lambda device: True)
+    launches = []
+    monkeypatch.setattr(kcopy, "arena_move", lambda buf, src, dst, n: launches.append((src, dst, n)))
+    mover = arena._pick_mover(None)
+    assert launches == [(0, 512, 512)] and mover != arena._move_torch
+    mover(1024, 2048, 64)
+    assert launches[-1] == (1024, 2048, 64)
+
+    def broken(buf, src, dst, n):
+        raise RuntimeError("Failed to find C compiler")
+
+    monkeypatch.setattr(kcopy, "arena_move", broken)
+    with pytest.warns(RuntimeWarning, match="Triton copy kernel cannot run on cuda.*C compiler.*copy_"):
+        assert arena._pick_mover(None) == arena._move_torch
+    with pytest.raises(RuntimeError, match="C compiler"):
+        arena._pick_mover(True)(0, 512, 512)
+
+
 # ------------------------------------------------------------------------------------------------- streams
 class FakeStream:
     """Stands in for torch.cuda.Stream: an id, and the waits asked of it."""
