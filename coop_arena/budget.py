@@ -104,7 +104,6 @@ class _Mode(TorchDispatchMode):
             return func(*args, **kwargs)  # See Rule 1: a step of an optimizer runs as without a Budget
         return self.runtime.run(func, args, kwargs)
 
-
     def _engines_own(self, args, kwargs) -> bool:
         """An op of another engine's work that reads nothing from the arena (bookkeeping.py; FSDP2 runs its
         all-gathers and reduce-scatters on streams of its own): it runs outside the arena, so on any stream."""
