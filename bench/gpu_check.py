@@ -40,6 +40,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -406,10 +407,30 @@ def _junit(path: Path) -> dict:
     return {"counts": counts, "failures": failures, "skip_reasons": skips}
 
 
+_VERBOSE = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", re.M)
+_OUTCOMES = {"PASSED": "passed", "FAILED": "failed", "ERROR": "errors", "SKIPPED": "skipped", "XFAIL": "xfailed",
+             "XPASS": "xpassed"}
+
+
+def _verbose_results(out: str) -> dict:
+    """The outcome of each test that finished, from pytest -v's lines: what is left of a run stopped at its time
+    limit, before pytest wrote its junit file."""
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    failures = []
+    for name, outcome in _VERBOSE.findall(out):
+        key = _OUTCOMES[outcome]
+        counts[key] = counts.get(key, 0) + 1
+        if key in ("failed", "errors"):
+            failures.append({"test": name, "outcome": "failure" if key == "failed" else "error",
+                             "message": "(the run was stopped before pytest reported details)"})
+    return {"counts": counts, "failures": failures}
+
+
 def run_pytest(seconds: float, env: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--pytest", "-q", "-rs", "-m", "gpu", "tests"]
+        # -u and -v: each finished test's line reaches the parent even if the run is stopped at its limit
+        cmd = [sys.executable, "-u", str(Path(__file__).resolve()), "--pytest", "-v", "-rs", "-m", "gpu", "tests"]
         try:
             import pytest_benchmark  # noqa: F401
             cmd += ["bench/test_kernels_bench.py", "--benchmark-json=bench/results/gpu_kernels.json"]
@@ -423,6 +444,8 @@ def run_pytest(seconds: float, env: dict) -> dict:
             part["note"] = note
         if junit.exists():
             part.update(_junit(junit))
+        elif out:
+            part.update(_verbose_results(out))
     if code is None:
         part.update(status="timeout", reason=f"stopped after its limit of {seconds:.0f} s")
     else:

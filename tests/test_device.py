@@ -405,3 +405,18 @@ def test_gpu_check_runs_a_python_that_has_torch_but_not_this_package(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     part = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]["resnet50"]
     assert part["status"] == "ok" and [r["kind"] for r in part["records"]][:3] == ["model", "plain", "engine_peak"], part
+
+
+def test_a_pytest_part_stopped_at_its_limit_keeps_the_tests_that_finished():
+    """The GPU layer runs verbose and unbuffered: when it is stopped before pytest writes its junit file, the
+    outcome of each test that finished is read from its lines."""
+    out = ("tests/test_gpu.py::test_default_device_is_the_current_cuda_device PASSED           [  5%]\n"
+           "tests/test_gpu.py::test_training_is_bitwise_plain_pytorch_under_eviction[mlp] FAILED [ 10%]\n"
+           "tests/test_gpu.py::test_a_cudnn_lstm_with_dropout_replays_the_same_bits SKIPPED (needs) [ 15%]\n"
+           "tests/test_kernels.py::test_move_gpu_layer[0] PASSED [ 20%]\n"
+           "some other output PASSED\n")
+    got = _gpu_check()._verbose_results(out)
+    assert got["counts"] == {"passed": 2, "failed": 1, "errors": 0, "skipped": 1}
+    assert [f["test"] for f in got["failures"]] == [
+        "tests/test_gpu.py::test_training_is_bitwise_plain_pytorch_under_eviction[mlp]"]
+
