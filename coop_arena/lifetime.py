@@ -167,8 +167,7 @@ class Lifetime:
                 self.counters.count_unevictable(self.memory.table.round_up(s.nbytes), -1)
             self.memory.free(s)
             if s.payload is not None:  # never replayed now; a write's recipe reads `s` itself, a cycle to break
-                s.payload.recipe = None
-                s.payload.mutations = []
+                s.payload.drop_recipe()
                 self.written.pop(s.sid, None)
             for p in inputs:
                 if p.payload.wrappers == 0 and p.pins == 0 and p.state is not State.FREED and not _readers(p):
@@ -229,8 +228,7 @@ class Lifetime:
         for s in live:
             s.payload.runtime = None
         for s in live + list(self.written.values()):
-            s.payload.recipe = None
-            s.payload.mutations = []
+            s.payload.drop_recipe()
         self.written = {}
         for h in list(self._hooks.values()):
             h.remove()

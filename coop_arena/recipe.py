@@ -81,6 +81,13 @@ class Data:
         """Writes since the producer: what recipes that read this storage record (ArgRef.version)."""
         return self.base_version + len(self.mutations)
 
+    def drop_recipe(self) -> None:
+        """Its storage will never be replayed: the recipe and writes go (it stays resident for good, is lost, is
+        freed, or its block has ended)."""
+        self.base_version = self.version  # readers recorded the version it has: it stays
+        self.recipe = None
+        self.mutations = []
+
     def recipes(self) -> list:
         """What a restore replays, in order: the producer (unless it is uninitialized memory), then the writes."""
         r = self.recipe

@@ -175,8 +175,7 @@ class Remat:
             self.release(held)
         memory = self.memory
         for b in rebuilt:  # restored only as an ancestor: it goes (Rule 3)
-            if (b.state is State.RESIDENT and b.payload.wrappers == 0 and b.pins == 0 and b.evictable
-                    and not keeps_dead(b, memory)):
+            if b.state is State.RESIDENT and _only_an_ancestor(b, memory):
                 memory.evict(b)
 
     def release(self, pins) -> None:
@@ -263,8 +262,7 @@ class Remat:
                         memory.unpin(x)
                         if version is not None:
                             memory.free(shadows.pop(key))
-                        elif (b.sid not in boundary and b.payload.wrappers == 0 and b.pins == 0 and b.evictable
-                                and not keeps_dead(b, memory)):
+                        elif b.sid not in boundary and _only_an_ancestor(b, memory):
                             memory.evict(b)  # restored only as an ancestor: it goes (Rule 3)
         finally:
             for key, x in held.items():
@@ -427,7 +425,7 @@ class Remat:
         self.counters.frozen += 1
 
     def make_unevictable(self, s: Storage) -> None:
-        drop_recipe(s)
+        s.payload.drop_recipe()
         if s.evictable:
             self.memory.make_unevictable(s)
             self.counters.count_unevictable(self.memory.table.round_up(s.nbytes), +1)
@@ -437,12 +435,10 @@ class _Fighting(Exception):
     """Internal: a narrow rebuild replayed one storage more than NARROW_REPLAYS times."""
 
 
-def drop_recipe(s: Storage) -> None:
-    """`s` will never be replayed: its recipe and writes go (it stays resident for good, or it is lost)."""
-    d = s.payload
-    d.base_version = d.version  # readers recorded the version it has: it stays
-    d.recipe = None
-    d.mutations = []
+def _only_an_ancestor(b: Storage, memory: Memory) -> bool:
+    """Restored only to rebuild what read it: no wrapper, no pin, evictable, and no evicted storage in use needs
+    it kept (Rule 3; lifetime.keeps_dead)."""
+    return b.payload.wrappers == 0 and b.pins == 0 and b.evictable and not keeps_dead(b, memory)
 
 
 def _inputs(s: Storage) -> list:

@@ -25,7 +25,7 @@ from .dispatch import Dispatch
 from .errors import BudgetUsageError, OutOfBudget, TensorLost, Thrashing, _internal_assert
 from .lifetime import Lifetime, _readers
 from .memory import Memory
-from .remat import Remat, drop_recipe
+from .remat import Remat
 from .recipe import plain_dispatch
 from .storage import State
 from .telemetry import RuntimeCounters
@@ -145,7 +145,7 @@ class Runtime:
             for s in keep:
                 if s.state is not State.RESIDENT:
                     s.payload.lost = f"storage {s.sid} was evicted and could not be restored before {why}: {e}"
-                    drop_recipe(s)
+                    s.payload.drop_recipe()
         try:
             for s in keep:
                 if s.state is State.RESIDENT:
