@@ -527,7 +527,8 @@ def _child(conn, n_layers, nbytes, config, max_overhead, seconds):
             return
         conn.send({"outcome": outcome, "error": error, "seconds": time.perf_counter() - t0,
                    "compute_overhead": st.compute_overhead, "evictions": st.evictions,
-                   "rematerializations": st.rematerializations, "peak_bytes": st.peak_bytes})
+                   "rematerializations": st.rematerializations, "peak_bytes": st.peak_bytes,
+                   "exit_overhead": st.exit_recompute_cost / st.compute_cost if st.compute_cost else 0.0})
 
     def watchdog():
         time.sleep(seconds)
@@ -633,7 +634,9 @@ def markdown(res: dict) -> str:
              f"- Workload: {res['workload']['layers']}, batch {res['workload']['batch']}, one step (forward, "
              f"`.float().sum().backward()`), dry run on meta. Ratio = budget / plain peak "
              f"(`Budget(1 << 40, device='meta')`'s `peak_bytes`).",
-             f"- Overhead = `budget.stats.compute_overhead`. Optimal = the least overhead of a checkpointing schedule "
+             f"- Overhead = `budget.stats.compute_overhead`; of it at exit = the replays at block exit that copy "
+             f"out the output the step still holds (`exit_recompute_cost / compute_cost`, part of the overhead). "
+             f"Optimal = the least overhead of a checkpointing schedule "
              f"under the engine's own accounting for the same budget (exact DP, `bench/chain.py`, Note [Chain "
              f"model]). Each run is stopped by `max_overhead={mo:g}` (Thrashing) or after {sec:g} s of wall clock "
              f"(then the overhead reached so far is shown). {res['jobs']} runs at a time, each in its own process; "
@@ -646,14 +649,15 @@ def markdown(res: dict) -> str:
                   f"at which the optimal schedule fits: {ch['optimal_smallest_budget']:,} bytes (ratio "
                   f"{ch['optimal_smallest_ratio']:.3f}); DP time {ch['dp_seconds']:.1f} s.", "",
                   "| ratio | budget (bytes) | optimal overhead | policy | result | overhead | overhead / optimal | "
-                  "evictions | rematerializations | seconds |",
-                  "|---|---:|---:|---|---|---:|---:|---:|---:|---:|"]
+                  "of it at exit | evictions | rematerializations | seconds |",
+                  "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|"]
         for r in ch["runs"]:
             outcome, o, v = _fmt_result(r, mo, sec)
             opt = f"{r['optimal_overhead']:.4f}x" if r["optimal_overhead"] else "does not fit"
             count = lambda k: f"{r[k]:,}" if r.get(k) is not None else "-"  # noqa: E731
+            exit_ = f"{r['exit_overhead']:.3f}" if r.get("exit_overhead") is not None else "-"
             lines.append(f"| {r['ratio']:g} | {r['budget']:,} | {opt} | {r['policy']} | {outcome} | {o} | {v} | "
-                         f"{count('evictions')} | {count('rematerializations')} | {r.get('seconds', 0):.1f} |")
+                         f"{exit_} | {count('evictions')} | {count('rematerializations')} | {r.get('seconds', 0):.1f} |")
         lines.append("")
     return "\n".join(lines)
 

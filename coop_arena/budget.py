@@ -67,6 +67,7 @@ class BudgetStats:
     relocated_bytes: int = 0   # their bytes; each costs a read and a write in compute_overhead
     compactions: int = 0       # placements that slid blocks together to make room (coop, the last resort)
     exit_rematerializations: int = 0  # replays at block exit, to copy out what the user still holds
+    exit_recompute_cost: float = 0.0  # their analytic cost (part of recompute_cost)
     restores_in_turn: int = 0  # ops whose inputs did not fit back at once and were restored one at a time
     dropped: int = 0           # storages given up at exit after an error (TensorLost on use)
     placed_bytes: int = 0      # output bytes written into the arena, replays included
@@ -254,6 +255,7 @@ class Budget:
             fragmentation=m.fragmentation, unevictable_bytes=c.unevictable_peak, frozen=c.frozen,
             lower_bound=c.working_set_peak + c.unevictable_peak, relocations=m.relocations,
             relocated_bytes=m.relocated_bytes, compactions=m.compactions, exit_rematerializations=c.exit_rematerializations,
+            exit_recompute_cost=c.exit_recompute_cost,
             restores_in_turn=c.restores_in_turn, dropped=c.dropped, placed_bytes=c.placed_bytes, temporary_bytes=c.temporary_bytes,
             temporary_peak=c.temporary_peak)
 

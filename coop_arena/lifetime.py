@@ -214,9 +214,10 @@ class Lifetime:
                     if failed:
                         raise _Dropped("was evicted when its Budget ended and the block ended with an error before "
                                        "it could be copied out")
-                    before = self.counters.rematerializations
+                    before, cost = self.counters.rematerializations, self.counters.recompute_cost
                     remat.restore(s)
                     self.counters.exit_rematerializations += self.counters.rematerializations - before
+                    self.counters.exit_recompute_cost += self.counters.recompute_cost - cost
                 d.detached = self.arena.bytes(s.offset, s.nbytes).clone()
             except (CoopArenaError, _Dropped) as e:
                 self.counters.dropped += 1

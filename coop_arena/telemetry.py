@@ -51,6 +51,7 @@ class RuntimeCounters:
     recompute_cost: float = 0.0     # cost of every replay
     rematerializations: int = 0     # storages restored by replaying their recipes
     exit_rematerializations: int = 0  # of those, replays at block exit to copy out what the user still holds
+    exit_recompute_cost: float = 0.0  # the cost of those exit replays (part of recompute_cost)
     restores_in_turn: int = 0       # ops whose inputs came back one at a time (remat.py, Rule 9's fallback)
     unevictable_bytes: int = 0      # now: resident bytes that may not be evicted (not counting pins)
     unevictable_peak: int = 0

@@ -346,6 +346,7 @@ def test_block_exit_frees_an_evicted_tensor_held_by_a_cycle_with_a_young_collect
     assert generations[made:] == [1], "one collection of the young generations at the exit, no full one"
     assert 2 not in generations and storage() is None
     assert budget.stats.evictions >= 1 and budget.stats.exit_rematerializations == 0
+    assert budget.stats.exit_recompute_cost == 0
 
 
 def test_a_tight_training_step_leaves_no_record_in_a_reference_cycle():

@@ -198,7 +198,9 @@ def test_after_the_block(case, path):
     budget = coop_arena.Budget(BUDGET, device="cpu")
     with budget:
         t = evicted(case)
-    assert budget.stats.exit_rematerializations >= 1  # the exit copy replayed it
+    st = budget.stats
+    assert st.exit_rematerializations >= 1  # the exit copy replayed it
+    assert 0 < st.exit_recompute_cost <= st.recompute_cost  # and its cost is counted apart, inside the total
     assert isinstance(t, coop_arena.Tensor) and t.untyped_storage()._cdata != budget.arena.key
     status, out = run(PATHS[path], t)
     got = canon(out, path in WRAPPED["after"]) if status == "ok" else out
@@ -305,3 +307,4 @@ def test_output_of_a_failed_op_is_lost_and_the_error_is_kept():
     assert len(lost) == 1 and lost[0].shape == (4096,) and lost[0].dtype == torch.float32
     with pytest.raises(coop_arena.TensorLost, match="was freed when the op that made it failed"):
         lost[0].tolist()
+
