@@ -42,7 +42,7 @@ class Runtime:
         memory.may_relocate = True
         self.bookkeeping = bookkeeping  # bookkeeping.Bookkeeping: other engines' work in the block, or None
         self.remat = Remat(memory, arena, self.counters, max_overhead=max_overhead, explain=explain)
-        self.lifetime = Lifetime(memory, arena, self.counters)
+        self.lifetime = Lifetime(memory, arena, self.counters, self.remat)
         self.dispatch = Dispatch(self, recomputable_inplace=recomputable_inplace)
         self.mode = None  # the Budget's dispatch mode, set by the Budget (composite ops re-enter it)
         self.thread = threading.get_ident()  # the block's thread (the Budget creates its runtime on entering)

@@ -242,3 +242,36 @@ def test_compaction_keeps_training_bitwise_exact():
             moved = moved or (st.relocations > 0 and not st.compactions)
     assert compacted >= 1, "some of the smallest budgets that fit should need a compaction"
     assert moved, "some budget should move blocks instead of evicting them"
+
+
+def hole_layout(**kw):
+    # e1 c1 Q1 g1 R1 d1 f1 with Q and R pinned and no free block; a 2-unit request. The plain plan evicts e and c
+    # (3001). Copying e (2 x 512 = 1024) needs a destination outside its window: evicting g (10) makes one, for
+    # 1035 in all; d and f would cost more to evict than e itself.
+    return build([("e", 1, 3000.0), ("c", 1, 1.0), ("q", 1, 1.0, {"pinned": True}), ("g", 1, 10.0),
+                  ("r", 1, 1.0, {"pinned": True}), ("d", 1, 5000.0), ("f", 1, 4000.0)], **kw)
+
+
+def test_a_cheap_block_outside_the_window_is_evicted_to_make_a_hole_for_an_expensive_one():
+    m, s = hole_layout()
+    moves = []
+    m.mover = lambda src, dst, n: moves.append((src // U, dst // U, n // U))
+    assert m.plan(2 * U).victims == (0, 1)  # the plain plan: evict e and c
+    new = m.allocate(2 * U, 5.0)
+    assert moves == [(0, 3, 1)] and new.offset == 0  # e takes g's range
+    assert s["e"].state is State.RESIDENT and s["e"].offset == 3 * U
+    assert {n: v.state.value for n, v in s.items() if n in "cgdf"} == {"c": "evicted", "g": "evicted",
+                                                                      "d": "resident", "f": "resident"}
+    assert (m.stats.relocations, m.stats.evictions) == (1, 2)
+    assert [e.kind for e in m.trace.events][-4:] == ["evict", "evict", "move", "alloc"]
+    m.check_invariants()
+
+
+def test_no_hole_is_made_from_a_block_that_costs_more_than_the_one_it_would_take():
+    m, s = hole_layout()
+    m.pin(s["g"])  # the only cheap block outside the window: d and f cost more to evict than e
+    m.mover = lambda src, dst, n: pytest.fail("nothing may move")
+    m.allocate(2 * U, 5.0)
+    assert s["e"].state is State.EVICTED and s["c"].state is State.EVICTED
+    assert (m.stats.relocations, m.stats.evictions) == (0, 2)
+    m.check_invariants()
