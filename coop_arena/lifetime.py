@@ -168,9 +168,11 @@ class Lifetime:
             elif s.payload.recipe is None:
                 continue  # unevictable: it stays until its readers go (they will find it resident)
             elif s.state is State.RESIDENT:
-                self._roll_forward(s)
-                if s.state is State.RESIDENT and not keeps_dead(s, self.memory):
-                    self.memory.evict(s)
+                if keeps_dead(s, self.memory):
+                    self._roll_forward(s)  # what it is kept for may come back now; then it need not stay
+                    if s.state is not State.RESIDENT or keeps_dead(s, self.memory):
+                        continue
+                self.memory.evict(s)
 
     def _roll_forward(self, s: Storage) -> None:
         """See Note [Dead storages]: the evicted storages a wrapper uses whose restore would read dead `s` are
