@@ -528,7 +528,7 @@ def _child(conn, n_layers, nbytes, config, max_overhead, seconds):
         conn.send({"outcome": outcome, "error": error, "seconds": time.perf_counter() - t0,
                    "compute_overhead": st.compute_overhead, "evictions": st.evictions,
                    "rematerializations": st.rematerializations, "peak_bytes": st.peak_bytes,
-                   "exit_overhead": st.exit_recompute_cost / st.compute_cost if st.compute_cost else 0.0})
+                   "exit_overhead": st.exit_overhead})
 
     def watchdog():
         time.sleep(seconds)

@@ -75,6 +75,11 @@ class BudgetStats:
     temporary_peak: int = 0    # largest temporaries alive at once, outside the arena: the device footprint is
                                # nbytes + temporary_peak
 
+    @property
+    def exit_overhead(self) -> float:
+        """The part of compute_overhead spent in replays at block exit: exit_recompute_cost / compute_cost."""
+        return self.exit_recompute_cost / self.compute_cost if self.compute_cost else 0.0
+
     def as_dict(self) -> dict:
         return asdict(self)
 

@@ -103,7 +103,7 @@ class _WrapperRef(weakref.ref):
 class Lifetime:
     def __init__(self, memory, arena, counters, remat):
         self.memory = memory
-        self.remat = remat                          # restores what a dead storage is kept for (Note [Dead storages])
+        self.remat = remat                          # restores for rolling forward and for the copy-out at exit
         self._rolling = False
         self.arena = arena
         self.device = arena.device
@@ -175,9 +175,9 @@ class Lifetime:
                 self.memory.evict(s)
 
     def _roll_forward(self, s: Storage) -> None:
-        """See Note [Dead storages]: the evicted storages a wrapper uses whose restore would read dead `s` are
-        restored now, when together they are no larger than `s`; `s` then goes like any dead storage."""
-        if self._rolling or self.memory.policy != "coop" or self.memory.stats.evictions == 0:
+        """See Note [Dead storages]: the evicted storages a wrapper uses whose restore would read dead `s` (which
+        `keeps_dead` keeps for them) are restored now, when together they are no larger than `s`."""
+        if self._rolling or self.memory.policy != "coop":
             return
         need = _held_readers(s)
         if not need or sum(x.nbytes for x in need) > s.nbytes:
@@ -219,13 +219,13 @@ class Lifetime:
         self.dead.append(s)
 
     # =============================================================================================== exit
-    def finish(self, remat, failed: bool) -> None:
+    def finish(self, failed: bool) -> None:
         """End of the block (Note [Block exit]): every storage a live wrapper uses gets a plain copy outside the
         arena; then nothing references the arena."""
         with plain_dispatch():
-            self._finish(remat, failed)
+            self._finish(failed)
 
-    def _finish(self, remat, failed: bool) -> None:
+    def _finish(self, failed: bool) -> None:
         self._rolling = True  # no rolling forward: the exit copies out what is still held itself, and counts it
         if failed:  # the arena is reset next: free nothing, since an interrupt may have stopped a table update halfway
             for s in self.dead:
@@ -253,7 +253,7 @@ class Lifetime:
                         raise _Dropped("was evicted when its Budget ended and the block ended with an error before "
                                        "it could be copied out")
                     before, cost = self.counters.rematerializations, self.counters.recompute_cost
-                    remat.restore(s)
+                    self.remat.restore(s)
                     self.counters.exit_rematerializations += self.counters.rematerializations - before
                     self.counters.exit_recompute_cost += self.counters.recompute_cost - cost
                 d.detached = self.arena.bytes(s.offset, s.nbytes).clone()
@@ -314,30 +314,25 @@ def keeps_dead(s: Storage, memory) -> bool:
     block's first eviction under pressure, so that an ample budget holds what plain PyTorch holds."""
     if memory.stats.evictions == 0:
         return False
-    seen = {s.sid}
-    work = [s]
-    while work:
-        for r in _readers(work.pop()):
-            if r.state is State.EVICTED and r.sid not in seen:
-                if r.payload.wrappers or len(seen) >= ANCHOR:
-                    return True
-                seen.add(r.sid)
-                work.append(r)
-    return False
+    return any(r.payload.wrappers or n >= ANCHOR for n, r in enumerate(_evicted_readers(s), start=1))
 
 
 def _held_readers(s: Storage) -> list:
     """The evicted storages that a wrapper uses and whose restore would read `s` (directly, or through evicted
     storages only)."""
-    out, seen, work = [], {s.sid}, [s]
+    return [r for r in _evicted_readers(s) if r.payload.wrappers]
+
+
+def _evicted_readers(s: Storage):
+    """Each evicted storage whose restore would read `s`, directly or through evicted storages only, once."""
+    seen = {s.sid}
+    work = [s]
     while work:
         for r in _readers(work.pop()):
             if r.state is State.EVICTED and r.sid not in seen:
                 seen.add(r.sid)
-                if r.payload.wrappers:
-                    out.append(r)
                 work.append(r)
-    return out
+                yield r
 
 
 def _readers(s: Storage) -> list:

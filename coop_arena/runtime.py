@@ -155,7 +155,7 @@ class Runtime:
             remat.release(held)
 
     def finish(self, failed: bool = False) -> None:
-        self.lifetime.finish(self.remat, failed)
+        self.lifetime.finish(failed)
 
     def close(self) -> None:
         """After the block, once its statistics are read: drop the references between the runtime's parts, so

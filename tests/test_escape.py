@@ -203,6 +203,7 @@ def test_after_the_block(case, path):
     st = budget.stats
     assert st.exit_rematerializations >= 1  # the exit copy replayed it
     assert 0 < st.exit_recompute_cost <= st.recompute_cost  # and its cost is counted apart, inside the total
+    assert st.exit_overhead == st.exit_recompute_cost / st.compute_cost
     assert isinstance(t, coop_arena.Tensor) and t.untyped_storage()._cdata != budget.arena.key
     status, out = run(PATHS[path], t)
     got = canon(out, path in WRAPPED["after"]) if status == "ok" else out
