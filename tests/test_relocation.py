@@ -275,3 +275,21 @@ def test_no_hole_is_made_from_a_block_that_costs_more_than_the_one_it_would_take
     assert s["e"].state is State.EVICTED and s["c"].state is State.EVICTED
     assert (m.stats.relocations, m.stats.evictions) == (0, 2)
     m.check_invariants()
+
+
+def test_a_block_with_no_destination_is_priced_at_its_eviction_and_the_search_reruns():
+    # a1 b1 .1 d1 e2, a 3-unit request; a copy costs 1024 a unit. The plain plan evicts a and b (4000). Priced as
+    # copies, [a b .] is the cheapest window (2048), but a and b have no destination: the only free unit is
+    # inside it, and no block outside costs less to evict than a copy saves. Evicting them there instead costs
+    # what the plain plan does. Priced at their eviction, the search finds [d e]: d is copied to the free unit
+    # and e evicted, 2524 in all.
+    m, s = build([("a", 1, 2000.0), ("b", 1, 2000.0), (".", 1, 0.0), ("d", 1, 5000.0), ("e", 2, 1500.0)])
+    moves = []
+    m.mover = lambda src, dst, n: moves.append((src // U, dst // U, n // U))
+    assert m.plan(3 * U).victims == (0, 1)
+    new = m.allocate(3 * U, 5.0)
+    assert moves == [(3, 2, 1)] and new.offset == 3 * U
+    assert {n: v.state.value for n, v in s.items()} == {"a": "resident", "b": "resident", "d": "resident",
+                                                        "e": "evicted"}
+    assert (m.stats.relocations, m.stats.evictions) == (1, 1)
+    m.check_invariants()
