@@ -475,7 +475,9 @@ class Memory:
     #   0.175 rises from 1.33x to 2.40x (a restore of 1,139 replays) and fits at 0.15 only at 5.38x, two cliffs;
     #   the smallest stays. Also not kept: keeping the stuck block out of the rerun's window (ResNet-50 no
     #   longer fits at 0.175, Swin-T at 0.1625 5.45x) and taking the cheaper of the rerun's plan and the old one
-    #   (GPT-2 at 0.5 back to 1.115x, but U-Net at 0.275 3.77x and ResNet-50 at 0.175 2.86x).
+    #   (GPT-2 at 0.5 back to 1.115x, but U-Net at 0.275 3.77x and ResNet-50 at 0.175 2.86x), and rerunning
+    #   only for a block whose eviction alone costs the plain plan's price (U-Net at 0.275 3.77x, ResNet-50 at
+    #   0.175 2.75x): where GPT-2 gains, these lose.
     # Limitations: one window per search (at most 8 reruns), not a search over all sets of moves; coop only, and
     #   only while nothing holds a raw view. A copy keeps a block resident, which near the edge changes later
     #   choices: on the 100-layer chain at 0.2 the overhead went from 1.13x to 1.28x the optimum when moves came
