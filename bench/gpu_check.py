@@ -13,7 +13,8 @@ recorded and the next part still runs (whatever a part measured before its limit
 - gpt2 (GPT-2 small from a transformers config, batch 8 x 512) and resnet50 (torchvision's, batch 64 at 224 x
   224): plain PyTorch, run twice (the second is the reference, and must reproduce the first for a bitwise
   comparison to mean anything); the engine's own peak (one step under an ample Budget: "the plain peak
-  measured with the same engine"); then 3 steps under Budgets at 1.0, 0.5 and 0.3 of it with coop, dtr and
+  measured with the same engine"; if that step fails, the part records why and runs no Budget, since their
+  sizes come from it); then 3 steps under Budgets at 1.0, 0.5 and 0.3 of it with coop, dtr and
   dte (max_overhead as in `coop-arena evaluate`). Per run: step time against plain (median of steps 2 and 3),
   evictions, recomputations, device peak against nbytes + temporary_peak, parameters after 3 steps against
   plain. Children run under torch.use_deterministic_algorithms(True, warn_only=True), with
@@ -263,10 +264,16 @@ def measure_model(name: str, device: str, deadline: float, smoke: bool) -> None:
     ample = 1 << 28 if plain_extra is None else 2 * plain_extra + 256 * MIB
     if dev.cuda:
         ample = min(ample, int(0.8 * torch.cuda.mem_get_info()[0]))
-    probe = coop_arena.Budget(ample, device=device)
-    records, _ = run_steps(model, init, inputs, loss_of, probe, dev, steps=1)
+    try:
+        probe = coop_arena.Budget(ample, device=device)
+        records, _ = run_steps(model, init, inputs, loss_of, probe, dev, steps=1)
+    except Exception as e:  # the runs below are sized from this peak: without it there are none
+        emit("engine_peak", nbytes=ample, status="error", **error_fields(e),
+             reason=f"one step under an ample Budget of {ample} bytes failed, so no Budget run is sized from the "
+                    f"engine's peak")
+        return
     engine_peak = probe.stats.peak_bytes
-    emit("engine_peak", nbytes=ample, peak_bytes=engine_peak, evictions=probe.stats.evictions,
+    emit("engine_peak", nbytes=ample, status="ok", peak_bytes=engine_peak, evictions=probe.stats.evictions,
          lower_bound=probe.stats.lower_bound, ops=probe.stats.ops, seconds=step_seconds(records))
     del probe, records
 
@@ -470,7 +477,8 @@ def run_part(part: str, seconds: float, env: dict, smoke: bool) -> dict:
     if code is None:
         result.update(status="timeout", reason=f"stopped after its limit of {seconds:.0f} s; records before it kept",
                       stderr_tail=err[-2000:])
-    elif code != 0 or any(r["kind"] == "error" for r in records):
+    elif code != 0 or any(r["kind"] == "error" or (r["kind"] == "engine_peak" and r.get("status") == "error")
+                          for r in records):
         result.update(status="error", stderr_tail=err[-3000:])
     else:
         result["status"] = "ok"
@@ -641,6 +649,9 @@ def summary(report: dict) -> str:
                          (f" Ops without a deterministic implementation: {'; '.join(pl['nondeterministic_alerts'])}"
                           if pl["nondeterministic_alerts"] else ""))
         for e in _records(report, part, "engine_peak"):
+            if e.get("status") == "error":
+                lines.append(f"Engine peak: {e['reason']} ({_gib(e['nbytes'])} GiB): {e['error']}")
+                continue
             lines.append(f"Engine peak (ample Budget of {_gib(e['nbytes'])} GiB, {e['evictions']} evictions): "
                          f"{_gib(e['peak_bytes'])} GiB; lower bound {_gib(e['lower_bound'])} GiB; {e['ops']} ops.")
         for e in _records(report, part, "error"):

@@ -384,6 +384,32 @@ def test_gpu_check_measures_tiny_models_on_the_cpu(tmp_path):
     assert "## gpt2" in text and "## resnet50" in text and "| coop | 0.5 |" in text
 
 
+def test_gpu_check_records_a_failed_engine_peak_probe_and_sizes_no_run(monkeypatch, capsys):
+    """The runs' budgets are ratios of the engine's peak: when the ample probe step fails (here: its Budget
+    raises OutOfBudget), the part records why, with the budget it tried, marks itself an error, and runs none."""
+    import time
+    check = _gpu_check()
+    real = check.run_steps
+
+    def tight_probe(model, init, inputs, loss_of, budget, dev, steps=check.STEPS):
+        if budget is not None and steps == 1:
+            budget = coop_arena.Budget(4096, device="cpu")  # far below one step's working set
+        return real(model, init, inputs, loss_of, budget, dev, steps)
+    monkeypatch.setattr(check, "run_steps", tight_probe)
+    check.measure_model("gpt2", "cpu", time.monotonic() + 300, True)
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["kind"] for r in records] == ["model", "plain", "engine_peak"]
+    probe = records[-1]
+    assert probe["status"] == "error" and "OutOfBudget" in probe["error"] and probe["nbytes"] > 4096
+    assert "no Budget run is sized" in probe["reason"]
+    report = {"command": "gpu_check.py --smoke", "smoke": True, "started": "now", "seconds": 1.0,
+              "environment": dict.fromkeys(["device", "torch", "cuda", "triton", "python"], "-"),
+              "child_environment": {}, "parts": {"gpt2": {"status": "error", "seconds": 1.0, "records": records}}}
+    report["targets"] = check.targets(report)
+    assert [t["verdict"] for t in report["targets"]] == ["n/a"] * 3
+    assert "Engine peak: one step under an ample Budget" in check.summary(report)
+
+
 def test_gpu_check_runs_a_python_that_has_torch_but_not_this_package(tmp_path):
     """`make gpu-check` runs whichever Python already has torch as it is, installing nothing: the check's child
     processes import this checkout, coop_arena.kernels included (mapped to kernels/ as pyproject.toml does)."""
