@@ -309,3 +309,75 @@ def test_coop_window_is_the_cheapest_covering_run(cols):
     # ties: the first right end that reaches the minimum, with its shortest covering window
     r_best = min(r_ for cost, r_, _ in windows if cost == best)
     assert (lo, r) == (max(lo_ for _, r_, lo_ in windows if r_ == r_best), r_best)
+
+
+# ------------------------------------------------------------------------------ move plans (Note [Moving instead
+# of evicting] in memory.py): random layouts, one request, against the plain window's price
+COPY = 2 * U  # the price of copying one unit at staleness 1 (2 x bytes / s)
+
+
+@st.composite
+def move_layouts(draw):
+    """(blocks as (kind, units, cost), request in units): no clock advance, so every staleness is 1 and a block's
+    eviction price is its cost."""
+    blocks = draw(st.lists(st.tuples(st.sampled_from(("free", "evictable", "evictable", "evictable", "pinned")),
+                                     st.integers(1, 3), st.sampled_from((1.0, 300.0, 800.0, 1500.0, 3000.0, 8000.0))),
+                           min_size=3, max_size=10))
+    return blocks, draw(st.integers(1, 5))
+
+
+@settings(max_examples=400, **SETTINGS)
+@given(case=move_layouts())
+def test_a_move_plan_never_costs_more_than_the_plain_window(case):
+    blocks, need_units = case
+    m = Memory(sum(u for _, u, _ in blocks) * U, policy="coop", partition=False)
+    made, holes = [], []
+    for kind, units, cost in blocks:
+        s = m.allocate(units * U, cost, pinned=kind == "pinned")
+        (holes if kind == "free" else made).append((s, kind, cost))
+    for s, _, _ in holes:
+        m.free(s)
+    copies = []
+    m.mover = lambda src, dst, n: copies.append((src, dst, n))
+    plain = m.plan(need_units * U)
+    before = {s.sid: (s.offset, s.state) for s, _, _ in made}
+    try:
+        new = m.allocate(need_units * U, 1.0)
+    except OutOfBudget:
+        assert plain is None
+        assert {s.sid: (s.offset, s.state) for s, _, _ in made} == before and not copies
+        return
+    m.check_invariants()
+    evicted = [(s, kind, cost) for s, kind, cost in made if s.state is State.EVICTED]
+    moved = {s.sid: (kind, cost) for s, kind, cost in made if s.state is State.RESIDENT and s.offset != before[s.sid][0]}
+    assert all(kind == "evictable" for _, kind, _ in evicted), "only evictable storages are evicted"
+    assert len(copies) == len(moved) == m.stats.relocations
+    if plain is not None and not m.stats.compactions:
+        # the plain window could serve the request: anything else must be cheaper, copies at their price
+        price = sum(cost for _, _, cost in evicted) + sum(n // U * COPY for _, _, n in copies)
+        assert price <= plain.cost, (price, plain)
+        assert all(kind == "evictable" for kind, _ in moved.values()), "with a window, only evictable blocks move"
+    occupied = [(s.offset, s.offset + m.table.round_up(s.nbytes)) for s, _, _ in made if s.state is State.RESIDENT]
+    assert all(hi <= new.offset or lo >= new.offset + need_units * U for lo, hi in occupied)
+
+
+def test_the_random_layouts_take_move_plans_and_rerun_their_search(monkeypatch):
+    """The property above is not vacuous: its layouts take move plans, and some searches rerun because a block
+    priced as a copy found no destination."""
+    from coop_arena import memory as memory_module
+    seen = {"stuck": 0, "placed": 0, "taken": 0}
+    copies, move_plan = memory_module.Memory._copies, memory_module.Memory._move_plan
+
+    def count_copies(self, *args, **kw):
+        moves, stuck = copies(self, *args, **kw)
+        seen["stuck" if stuck is not None else "placed"] += 1
+        return moves, stuck
+
+    def count_plans(self, *args, **kw):
+        plan = move_plan(self, *args, **kw)
+        seen["taken"] += plan is not None
+        return plan
+    monkeypatch.setattr(memory_module.Memory, "_copies", count_copies)
+    monkeypatch.setattr(memory_module.Memory, "_move_plan", count_plans)
+    test_a_move_plan_never_costs_more_than_the_plain_window()
+    assert seen["taken"] >= 10 and seen["stuck"] >= 10, seen  # 400 layouts: about 28 and 83
