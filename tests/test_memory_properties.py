@@ -380,4 +380,4 @@ def test_the_random_layouts_take_move_plans_and_rerun_their_search(monkeypatch):
     monkeypatch.setattr(memory_module.Memory, "_copies", count_copies)
     monkeypatch.setattr(memory_module.Memory, "_move_plan", count_plans)
     test_a_move_plan_never_costs_more_than_the_plain_window()
-    assert seen["taken"] >= 10 and seen["stuck"] >= 10, seen  # 400 layouts: about 28 and 83
+    assert seen["taken"] >= 10 and seen["stuck"] >= 10, seen  # 400 layouts: about 27 and 72
