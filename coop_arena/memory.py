@@ -392,28 +392,17 @@ class Memory:
         return None, ()
 
     def _destinations(self, plan, movable, kind, h):
-        """(plan without the moved blocks, moves), or (None, index of a block that has no destination)."""
-        table = self.table
-        own, sizes, offsets = table.owners, table.sizes, table.offsets
-        moved = sorted((i for i in plan.victims if movable[i]), key=lambda i: (-int(sizes[i]), i))
-        if not moved:
-            return (plan, ()), None
-        outside, holes = self._holes_outside(plan)
-        spare = sorted(np.nonzero(outside & (kind == EVICTABLE))[0].tolist(), key=lambda i: (h[i], i))
-        extra, moves = [], []
-        for i in moved:
-            at = _take_hole(holes, int(sizes[i]))
-            if at is None:  # make a hole: evict the cheapest evictable block outside the window that is big enough
-                b = next((b for b in spare if sizes[b] >= sizes[i]), None)
-                if b is None:
-                    return None, i
-                spare.remove(b)
-                extra.append(b)
-                holes.append([int(offsets[b]), int(sizes[b])])
-                at = _take_hole(holes, int(sizes[i]))  # the only hole that fits
-            moves.append((self._slots[int(own[i]) - 1], at))
-        evict = tuple(sorted([i for i in plan.victims if not movable[i]] + extra))
-        return (_policy.EvictionPlan(evict, plan.start, plan.end, plan.cost, plan.policy), tuple(moves)), None
+        """(plan without the moved blocks, moves), or (None, index of a block that has no destination). A block
+        that finds no free hole outside the window takes the range of the cheapest evictable block outside it
+        that is big enough, evicted for it."""
+        moves, stuck = self._copies(plan, movable, kind,
+                                    lambda i, fits: min(fits.tolist(), key=lambda b: (h[b], b)) if fits.size else None)
+        if stuck is not None:
+            return None, stuck
+        own = self.table.owners
+        evict = tuple(sorted([i for i in plan.victims if not movable[i]] + [b for b, _ in moves if b is not None]))
+        return (_policy.EvictionPlan(evict, plan.start, plan.end, plan.cost, plan.policy),
+                tuple((self._slots[int(own[i]) - 1], at) for _, (i, at) in moves)), None
 
     def _prices(self):
         """Per block in address order: its kind, its eviction price c/s and the price of copying it, 2 x bytes / s
@@ -504,11 +493,16 @@ class Memory:
         if not cand.any():
             return None
         h2 = np.where(cand, move, h)
+        sizes = self.table.sizes
+
+        def smallest_cheaper(i, fits):  # the smallest block whose eviction costs less than block i's
+            fits = fits[h[fits] + move[i] < h[i]]
+            return min(fits.tolist(), key=lambda b: (int(sizes[b]), float(h[b]), b)) if fits.size else None
         while True:  # each rerun prices one more block at its eviction: at most one per candidate
             plan = _policy.coop_window(self.table.offsets, self.table.sizes, kind, h2.copy(), need)
             if plan is None or plan.cost >= plain.cost:
                 return None
-            moves, stuck = self._copies(plan, cand, kind, h, move)
+            moves, stuck = self._copies(plan, cand, kind, smallest_cheaper)
             if stuck is None:
                 break
             cand[stuck] = False  # no destination: priced at its eviction, and the search runs again
@@ -523,26 +517,27 @@ class Memory:
         moved = tuple((self._slots[int(own[i]) - 1], at) for _, (i, at) in moves)
         return _policy.EvictionPlan(tuple(sorted(evict)), plan.start, plan.end, cost, plan.policy), moved
 
-    def _copies(self, plan, cand, kind, h, move):
-        """A destination for each candidate block of the window, largest first: ([(block evicted to make its
-        hole or None, (block, destination))], None), or (None, the first candidate that finds none)."""
+    def _copies(self, plan, movers, kind, hole_from):
+        """A destination outside the window for each block of it in `movers`, largest first: a free hole (best
+        fit), or else the range of the block `hole_from(i, fits)` picks among `fits`, the evictable blocks outside
+        the window big enough for block i (it is evicted for it; None: no destination). Returns ([(block evicted
+        to make the hole or None, (block, destination))], None), or (None, the first block that finds none)."""
         table = self.table
         sizes, offsets = table.sizes, table.offsets
-        moved = sorted((i for i in plan.victims if cand[i]), key=lambda i: (-int(sizes[i]), i))
         outside, holes = self._holes_outside(plan)
         spare = outside & (kind == EVICTABLE)
         moves = []
-        for i in moved:
+        for i in sorted((i for i in plan.victims if movers[i]), key=lambda i: (-int(sizes[i]), i)):
             made = None
             at = _take_hole(holes, int(sizes[i]))
-            if at is None:  # make a hole: the smallest block outside the window whose eviction costs less
-                fits = np.nonzero(spare & (sizes >= sizes[i]) & (h + move[i] < h[i]))[0]
-                if not fits.size:
+            if at is None:  # make a hole
+                made = hole_from(i, np.nonzero(spare & (sizes >= sizes[i]))[0])
+                if made is None:
                     return None, i
-                made = int(min(fits.tolist(), key=lambda b: (int(sizes[b]), float(h[b]), b)))
+                made = int(made)
                 spare[made] = False
                 holes.append([int(offsets[made]), int(sizes[made])])
-                at = _take_hole(holes, int(sizes[i]))
+                at = _take_hole(holes, int(sizes[i]))  # the only hole that fits
             moves.append((made, (i, at)))
         return moves, None
 
