@@ -136,10 +136,10 @@ def test_meta_dry_run_makes_the_same_moves():
     assert runs["cpu"][0] > 0 and runs["cpu"] == runs["meta"]
 
 
-def move_layout(**kw):
+def move_layout(between=(".", 1, 0.0), **kw):
     # e1 c1 Q1 .1 R1 d1 f1 with Q and R pinned; a 2-unit request. Evicting e and c costs 3001, d and f 9000.
     # Copying e (2 x 512 = 1024) to the hole outside its window and evicting c costs 1025.
-    return build([("e", 1, 3000.0), ("c", 1, 1.0), ("q", 1, 1.0, {"pinned": True}), (".", 1, 0.0),
+    return build([("e", 1, 3000.0), ("c", 1, 1.0), ("q", 1, 1.0, {"pinned": True}), between,
                   ("r", 1, 1.0, {"pinned": True}), ("d", 1, 5000.0), ("f", 1, 4000.0)], **kw)
 
 
@@ -245,11 +245,10 @@ def test_compaction_keeps_training_bitwise_exact():
 
 
 def hole_layout(**kw):
-    # e1 c1 Q1 g1 R1 d1 f1 with Q and R pinned and no free block; a 2-unit request. The plain plan evicts e and c
-    # (3001). Copying e (2 x 512 = 1024) needs a destination outside its window: evicting g (10) makes one, for
-    # 1035 in all; d and f would cost more to evict than e itself.
-    return build([("e", 1, 3000.0), ("c", 1, 1.0), ("q", 1, 1.0, {"pinned": True}), ("g", 1, 10.0),
-                  ("r", 1, 1.0, {"pinned": True}), ("d", 1, 5000.0), ("f", 1, 4000.0)], **kw)
+    # move_layout with g (cost 10) in place of its free block: e1 c1 Q1 g1 R1 d1 f1, no free block. The plain
+    # plan evicts e and c (3001). Copying e (2 x 512 = 1024) needs a destination outside its window: evicting g
+    # makes one, for 1035 in all; d and f would cost more to evict than e itself.
+    return move_layout(("g", 1, 10.0), **kw)
 
 
 def test_a_cheap_block_outside_the_window_is_evicted_to_make_a_hole_for_an_expensive_one():
