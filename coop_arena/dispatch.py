@@ -42,6 +42,12 @@ aten = torch.ops.aten
 # not say so (native_batch_norm's running statistics). Found by comparing the arguments around the first call.
 _UNMARKED_WRITES: dict = {}
 
+# op -> positions of outputs that stay plain host tensors outside the arena in every block, as they do in a block
+# on CUDA (an exception to Rule 1): the `batch_sizes` of a packed sequence, an int64 tensor of one entry per time
+# step that the packed RNNs' composite C++ kernels read by pointer before any op reaches the Budget, where a
+# wrapper has no data. Later ops read it as a tensor from outside the arena.
+_HOST_OUTPUTS = {aten._pack_padded_sequence.default: frozenset({1})}
+
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether `a` and its clone `b` hold the same bytes (torch.equal finds a NaN unequal to itself)."""
@@ -165,9 +171,10 @@ class Dispatch:
     # ---------------------------------------------------------------------------------------- functional
     def _run_functional(self, call: _Call, owner: dict):
         """See Note [Direct placement] in placement.py."""
-        if self._elsewhere(call.kwargs.get("device")):  # `x.cpu()`, `zeros(device="cpu")` in a block on CUDA
+        host = self._host_index(call)
+        if host or self._elsewhere(call.kwargs.get("device")):  # `x.cpu()`, `zeros(device="cpu")` on CUDA
             self._bind(call, owner)
-            return self._run_temporary(call, None)  # its outputs are on that device, returned as they are
+            return self._run_temporary(call, None, host=host)  # its outputs are returned as they are
         plan = placement.plan_for(call.func, call.op, call.args, call.kwargs, self.device.type)
         if plan is not None and plan.aliases:
             self._bind(call, owner)
@@ -189,6 +196,16 @@ class Dispatch:
             return False
         devices = [x.device for x in leaves if isinstance(x, torch.Tensor)]
         return bool(devices) and all(d != self.device for d in devices)
+
+    def _host_index(self, call: _Call) -> bool:
+        """Whether a factory op asks for an integer or bool tensor on the CPU by name, in a block on the CPU or on
+        meta: it stays a plain CPU tensor outside the arena, as in a block on CUDA (an exception to Rule 1), since
+        such tensors are host-side bookkeeping that C++ kernels may read by pointer (the lengths that
+        _pad_packed_sequence makes with its batch sizes' options), which a wrapper has no data for."""
+        device, dtype = call.kwargs.get("device"), call.kwargs.get("dtype")
+        return (device is not None and dtype is not None and not call.inputs and self.device.type != "cuda"
+                and torch.device(device).type == "cpu" and not (dtype.is_floating_point or dtype.is_complex)
+                and not any(isinstance(x, torch.Tensor) for x in call.leaves))
 
     def _elsewhere(self, device) -> bool:
         """Whether an op's `device=` argument puts its outputs on another device than the arena's. A dry run on
@@ -312,8 +329,9 @@ class Dispatch:
         self.counters.working_set_peak = max(self.counters.working_set_peak, ws)
         self._note_external_reads(call.recorded, placed)
 
-    def _run_temporary(self, call: _Call, plan):
-        """The op computes its outputs into temporaries; each is copied into its own range at once."""
+    def _run_temporary(self, call: _Call, plan, host: bool = False):
+        """The op computes its outputs into temporaries; each is copied into its own range at once, except those
+        left outside the arena (`host`: all of them, see _host_index; _HOST_OUTPUTS)."""
         func = call.func
         externals, key, written = self._externals(call, plan)
         probe = None
@@ -338,7 +356,8 @@ class Dispatch:
             for j, o in enumerate(out_leaves):
                 if isinstance(o, torch.Tensor) and self.arena.owns(o):  # it aliases an input: a view
                     out_leaves[j] = self._wrap_alias(o, call.inputs, func)
-                elif isinstance(o, torch.Tensor) and o.device == self.device and o.numel() > 0:
+                elif (isinstance(o, torch.Tensor) and o.device == self.device and o.numel() > 0
+                      and not host and j not in _HOST_OUTPUTS.get(func, ())):
                     alive += o.numel() * o.element_size()
                     out_leaves[j] = self._place_output(o, recipe, j, call.inputs, evictable, func, placed)
                     temporary += o.numel() * o.element_size()

@@ -145,9 +145,9 @@ def test_temporaries_are_counted_and_bounded_by_one_ops_outputs():
     outputs = []
     orig = coop_arena.dispatch.Dispatch._run_temporary
 
-    def spy(self, call, plan):
+    def spy(self, call, plan, **kw):
         before = self.counters.temporary_bytes
-        res = orig(self, call, plan)
+        res = orig(self, call, plan, **kw)
         outputs.append((str(call.func), self.counters.temporary_bytes - before))
         return res
 
