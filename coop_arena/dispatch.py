@@ -51,8 +51,8 @@ _HOST_OUTPUTS = {aten._pack_padded_sequence.default: frozenset({1})}
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether `a` and its clone `b` hold the same bytes (torch.equal finds a NaN unequal to itself)."""
-    def raw(t):
-        return t.resolve_conj().resolve_neg().contiguous().view(-1).view(torch.uint8)
+    def raw(t):  # (a fresh contiguous copy: contiguous() keeps a one-element tensor's stride, which may not be 1)
+        return t.resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format).view(-1).view(torch.uint8)
     return torch.equal(raw(a), raw(b))
 
 
