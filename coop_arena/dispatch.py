@@ -352,12 +352,14 @@ class Dispatch:
                              grad_mode=torch.is_grad_enabled())
         evictable = self._hidden_writes(call, recipe, externals, written)
         placed, temporary, alive = [], 0, 0
+        outside = {t.untyped_storage()._cdata for _, t in externals}  # (placement: outputs that alias inputs)
         try:
             for j, o in enumerate(out_leaves):
                 if isinstance(o, torch.Tensor) and self.arena.owns(o):  # it aliases an input: a view
                     out_leaves[j] = self._wrap_alias(o, call.inputs, func)
                 elif (isinstance(o, torch.Tensor) and o.device == self.device and o.numel() > 0
-                      and not host and j not in _HOST_OUTPUTS.get(func, ())):
+                      and not host and j not in _HOST_OUTPUTS.get(func, ())
+                      and o.untyped_storage()._cdata not in outside):
                     alive += o.numel() * o.element_size()
                     out_leaves[j] = self._place_output(o, recipe, j, call.inputs, evictable, func, placed)
                     temporary += o.numel() * o.element_size()

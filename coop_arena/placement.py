@@ -8,8 +8,10 @@ Approach:
     one run on the `meta` device gives the outputs' sizes, strides and dtypes, whether an output aliases an input,
     and the op's analytic cost (cost.py). The result is cached: later calls of the same configuration pay a dict
     lookup.
-  - An output that aliases an input makes the op a view (the runtime wraps it; nothing is placed), whatever its
-    schema says (`_unsafe_view`, `unsafe_split`).
+  - An op whose every output aliases an input is a view (the runtime wraps it; nothing is placed), whatever its
+    schema says (`_unsafe_view`, `unsafe_split`). One whose outputs alias inputs only in part (cuDNN's RNN
+    returns the flat weight buffer it was given beside its fresh outputs) takes the temporary path: the fresh
+    outputs are placed, the others returned as they are.
   - The op's out= variant (found by its schema: the same arguments plus one written keyword-only tensor per
     return) is used when it writes straight into `out`: it has a kernel of its own for the device (structured
     kernels: add, mm, addmm, native_batch_norm, ...), or it is composite and a probe on `meta` shows that it
@@ -195,7 +197,9 @@ def _make_plan(func, op, leaves, spec, device_type) -> OpPlan | None:
         torch.random.set_rng_state(rng)
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
     in_storages = {x.untyped_storage()._cdata for x in mleaves if isinstance(x, torch.Tensor)}
-    aliases = any(isinstance(o, torch.Tensor) and o.untyped_storage()._cdata in in_storages for o in outs)
+    shared = [o.untyped_storage()._cdata in in_storages for o in outs if isinstance(o, torch.Tensor)]
+    aliases = bool(shared) and all(shared)
+    partly = any(shared) and not aliases  # cuDNN's RNN returns its flat weight buffer beside fresh outputs
     specs = []
     for o in outs:
         if isinstance(o, torch.Tensor):
@@ -206,14 +210,14 @@ def _make_plan(func, op, leaves, spec, device_type) -> OpPlan | None:
             specs.append(None)
     cost = op_cost(op.flops, margs, mkwargs, mleaves, outs, out)
     out_op, names = None, ()
-    if not aliases and (func not in _OUT_NEEDS_CONTIGUOUS or all(_contiguous(x) for x in mleaves)):
+    if not aliases and not partly and (func not in _OUT_NEEDS_CONTIGUOUS or all(_contiguous(x) for x in mleaves)):
         variant = out_variant(func)
         if variant is not None and all(s is not None for s in specs):
             candidate, names = variant
             mouts = {n: torch.empty_strided(s.size, s.stride, dtype=s.dtype, device="meta") for n, s in zip(names, specs)}
             if writes_in_place(candidate, device_type, margs, {**mkwargs, **mouts}):
                 out_op = candidate
-    parts = (out_op is None and not aliases and not op.uninitialized and decomposes(func, op, device_type)
+    parts = (out_op is None and not aliases and not partly and not op.uninitialized and decomposes(func, op, device_type)
              and _parts_make_outputs(func, device_type, margs, mkwargs))
     return OpPlan(tuple(specs), aliases, parts, out_op, names if out_op is not None else (), cost)
 

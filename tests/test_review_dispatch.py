@@ -294,3 +294,27 @@ def test_a_users_out_argument_that_the_kernel_would_resize_on_the_way_is_refused
         torch.ops.aten.huber_loss.out(x * 1, target, 0, 1.0, out=fine)  # no reduction: written in place
         assert torch.equal(fine, torch.nn.functional.huber_loss(x, target, reduction="none"))
 
+
+def test_an_op_whose_outputs_alias_its_inputs_in_part_places_the_fresh_ones():
+    """cuDNN's RNN returns the flat weight buffer it was given beside its fresh outputs. The op was taken for a view,
+    as if every output aliased an input: the fresh outputs came back as plain tensors, outside the budget and never
+    evicted. Now they are placed (and evicted and replayed like any output) and the weight buffer is returned as it
+    is. Run on meta, where `_cudnn_rnn` has a kernel; with every storage evicted after every op."""
+    from test_exactness import EvictAll
+    aten = torch.ops.aten
+    steps, batch, inp, hidden = 5, 3, 4, 6
+    with torch.device("meta"):
+        weights = [torch.empty(4 * hidden, inp), torch.empty(4 * hidden, hidden), torch.empty(4 * hidden),
+                   torch.empty(4 * hidden)]
+        weight_buf = torch.empty(sum(w.numel() for w in weights))
+        x, h0, c0 = torch.empty(steps, batch, inp), torch.zeros(1, batch, hidden), torch.zeros(1, batch, hidden)
+    budget = coop_arena.Budget(1 << 24, device="meta")
+    with EvictAll(budget):
+        out = aten._cudnn_rnn.default(x * 2, weights, 4, weight_buf, h0, c0, 2, hidden, 0, 1, False, 0.0, True,
+                                      False, [], None)
+        assert all(isinstance(o, coop_arena.Tensor) for o in out[:3])
+        assert out[4] is weight_buf and not isinstance(out[4], coop_arena.Tensor)
+        total = out[0].sum() + out[1].sum() + out[2].sum()  # each restored by replaying the op
+    assert total.shape == () and budget.stats.rematerializations >= 3
+    assert budget.stats.placed_bytes >= 4 * (steps * batch * hidden + 2 * batch * hidden)
+
