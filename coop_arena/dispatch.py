@@ -48,6 +48,22 @@ _UNMARKED_WRITES: dict = {}
 # wrapper has no data. Later ops read it as a tensor from outside the arena.
 _HOST_OUTPUTS = {aten._pack_padded_sequence.default: frozenset({1})}
 
+# RNN ops that draw their dropout masks from an engine state buffer of their own (cuDNN's, MIOpen's), which they
+# advance in place and a C++ cache keeps across steps, rather than only from the generator a recipe captures: a
+# replay could not draw the same bits (Rule 4). With dropout in training their outputs are kept (unevictable,
+# never replayed), and the state buffer itself (`_cudnn_init_dropout_state`) stays outside the arena, where no
+# eviction can reset it.
+_OWN_DROPOUT_STATE = (aten._cudnn_rnn.default, aten.miopen_rnn.default)
+_DROPOUT_STATE_MAKERS = (aten._cudnn_init_dropout_state.default,)
+
+
+def _draws_from_own_state(call: _Call) -> bool:
+    if call.func not in _OWN_DROPOUT_STATE:
+        return False
+    names = [a.name for a in call.func._schema.arguments]
+    dropout, train = (ops.arg(call.args, call.kwargs, names.index(n), n, False) for n in ("dropout", "train"))
+    return bool(train) and bool(dropout)
+
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether `a` and its clone `b` hold the same bytes (torch.equal finds a NaN unequal to itself)."""
@@ -171,7 +187,7 @@ class Dispatch:
     # ---------------------------------------------------------------------------------------- functional
     def _run_functional(self, call: _Call, owner: dict):
         """See Note [Direct placement] in placement.py."""
-        host = self._host_index(call)
+        host = self._host_index(call) or call.func in _DROPOUT_STATE_MAKERS
         if host or self._elsewhere(call.kwargs.get("device")):  # `x.cpu()`, `zeros(device="cpu")` on CUDA
             self._bind(call, owner)
             return self._run_temporary(call, None, host=host)  # its outputs are returned as they are
@@ -289,7 +305,7 @@ class Dispatch:
             rargs, rkwargs = ops.unflatten(call.recorded, call.spec)
             recipe = Recipe.make(func, rargs, rkwargs, rng, plan.cost, uninitialized=call.op.uninitialized,
                                  grad_mode=torch.is_grad_enabled(), direct=plan)
-            evictable = self._hidden_writes(call, recipe, externals, written)
+            evictable = self._hidden_writes(call, recipe, externals, written) and not _draws_from_own_state(call)
             results = []
             for j, (s, o, v) in enumerate(zip(placed, plan.outputs, views)):
                 if s is None:
@@ -350,7 +366,7 @@ class Dispatch:
         rargs, rkwargs = ops.unflatten(call.recorded, call.spec)
         recipe = Recipe.make(func, rargs, rkwargs, rng, cost, uninitialized=call.op.uninitialized,
                              grad_mode=torch.is_grad_enabled())
-        evictable = self._hidden_writes(call, recipe, externals, written)
+        evictable = self._hidden_writes(call, recipe, externals, written) and not _draws_from_own_state(call)
         placed, temporary, alive = [], 0, 0
         outside = {t.untyped_storage()._cdata for _, t in externals}  # (placement: outputs that alias inputs)
         try:

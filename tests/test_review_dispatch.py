@@ -318,3 +318,21 @@ def test_an_op_whose_outputs_alias_its_inputs_in_part_places_the_fresh_ones():
     assert total.shape == () and budget.stats.rematerializations >= 3
     assert budget.stats.placed_bytes >= 4 * (steps * batch * hidden + 2 * batch * hidden)
 
+
+@pytest.mark.parametrize("dropout,train,evictable", [(0.3, True, False), (0.0, True, True), (0.3, False, True)])
+def test_cudnn_rnn_outputs_with_its_own_dropout_are_kept(dropout, train, evictable):
+    """cuDNN's RNN draws its dropout masks from a state buffer of its own that it advances in place, which a
+    replay cannot put back (Rule 4): with dropout in training its outputs are kept unevictable; without, they are
+    evictable like any output. The decision, checked on meta where `_cudnn_rnn` has a kernel."""
+    aten = torch.ops.aten
+    steps, batch, inp, hidden = 5, 3, 4, 6
+    with torch.device("meta"):
+        weights = [torch.empty(4 * hidden, inp), torch.empty(4 * hidden, hidden), torch.empty(4 * hidden),
+                   torch.empty(4 * hidden)]
+        x, h0, c0 = torch.empty(steps, batch, inp), torch.zeros(1, batch, hidden), torch.zeros(1, batch, hidden)
+    budget = coop_arena.Budget(1 << 24, device="meta")
+    with budget:
+        out = aten._cudnn_rnn.default(x * 2, weights, 4, None, h0, c0, 2, hidden, 0, 1, False, dropout, train,
+                                      False, [], None)
+        kept = [o._cell.storage.evictable for o in out[:3]]
+    assert kept == [evictable] * 3
