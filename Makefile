@@ -61,6 +61,8 @@ evaluate-quick: $(EVAL_VENV)/.installed
 # .venv/.installed (a download).
 HAS_GPU    := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
 GPU_VENV   := .venv-gpu
+# where gpu_check.json, gpu_check.md and gpu_kernels.json go: `make gpu-check GPU_OUT=DIR`
+GPU_OUT    ?= bench/results
 GPU_PROBE  := import sys, numpy, torch, triton; sys.exit(0 if torch.cuda.is_available() or not $(HAS_GPU) else 1)
 gpu-check:
 	@py=""; \
@@ -69,9 +71,11 @@ gpu-check:
 		command -v $$base >/dev/null 2>&1 && $$base -c "$(GPU_PROBE)" >/dev/null 2>&1 || continue; \
 		py=$$(command -v $$base); break; \
 	done; fi; \
-	if [ -z "$$py" ]; then $(MAKE) $(VENV)/.installed && py=$(PY); fi; \
+	if [ -z "$$py" ]; then PIP_RETRIES=0 PIP_TIMEOUT=10 $(MAKE) $(VENV)/.installed && py=$(PY) || { \
+		echo "gpu-check: no Python here imports torch, triton and numpy (with CUDA), and making $(VENV) failed" \
+		     "(no network?): install them, or run with PYTHON=a-python-that-has-them"; exit 1; }; fi; \
 	echo "gpu-check: $$py (torch $$($$py -c 'import torch; print(torch.__version__)'))"; \
-	$$py bench/gpu_check.py --out bench/results
+	$$py bench/gpu_check.py --out $(GPU_OUT)
 
 clean:
 	rm -rf $(VENV) $(EVAL_VENV) $(GPU_VENV) build *.egg-info

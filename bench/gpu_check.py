@@ -273,15 +273,18 @@ def measure_model(name: str, device: str, deadline: float, smoke: bool) -> None:
                     f"engine's peak")
         return
     engine_peak = probe.stats.peak_bytes
+    probe_seconds = step_seconds(records)
     emit("engine_peak", nbytes=ample, status="ok", peak_bytes=engine_peak, evictions=probe.stats.evictions,
-         lower_bound=probe.stats.lower_bound, ops=probe.stats.ops, seconds=step_seconds(records))
+         lower_bound=probe.stats.lower_bound, ops=probe.stats.ops, seconds=probe_seconds)
     del probe, records
 
     for policy in POLICIES:
         for ratio in RATIOS:
             nbytes = int(ratio * engine_peak)
             left = deadline - time.monotonic()
-            if left < max(10.0, 6 * STEPS * plain_seconds):
+            # (a step under a Budget is host-bound, many times a plain GPU step: sized from the engine's own first
+            # step, which also paid the one-time costs)
+            if left < max(10.0, STEPS * max(probe_seconds, plain_seconds)):
                 emit("run", policy=policy, ratio=ratio, nbytes=nbytes, status="skipped",
                      reason=f"time budget ran out ({left:.0f} s left for this part)")
                 continue
@@ -402,7 +405,8 @@ def _junit(path: Path) -> dict:
             if child_el.tag in ("failure", "error"):
                 outcome = "failed" if child_el.tag == "failure" else "errors"
                 failures.append({"test": name, "outcome": child_el.tag,
-                                 "message": (child_el.get("message") or "")[:500]})
+                                 "message": (child_el.get("message") or "")[:500],
+                                 "traceback": (child_el.text or "")[-2000:]})  # one run: keep enough to act on
             elif child_el.tag == "skipped":
                 outcome = "skipped"
                 reason = child_el.get("message") or ""
@@ -433,14 +437,15 @@ def _verbose_results(out: str) -> dict:
     return {"counts": counts, "failures": failures}
 
 
-def run_pytest(seconds: float, env: dict) -> dict:
+def run_pytest(seconds: float, env: dict, out: Path) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
         # -u and -v: each finished test's line reaches the parent even if the run is stopped at its limit
         cmd = [sys.executable, "-u", str(Path(__file__).resolve()), "--pytest", "-v", "-rs", "-m", "gpu", "tests"]
         try:
             import pytest_benchmark  # noqa: F401
-            cmd += ["bench/test_kernels_bench.py", "--benchmark-json=bench/results/gpu_kernels.json"]
+            out.mkdir(parents=True, exist_ok=True)
+            cmd += ["bench/test_kernels_bench.py", f"--benchmark-json={out / 'gpu_kernels.json'}"]
             note = None
         except ImportError:
             note = "pytest-benchmark is not installed: bench/test_kernels_bench.py was left out"
@@ -537,7 +542,7 @@ def main(argv=None) -> int:
         elif left < MIN_PART_SECONDS:
             result = {"status": "skipped", "reason": f"the time budget ran out ({left:.0f} s of {args.seconds:.0f} left)"}
         elif part == "pytest":
-            result = run_pytest(min(PARTS[part], left), env)
+            result = run_pytest(min(PARTS[part], left), env, Path(args.out))
         else:
             result = run_part(part, min(PARTS[part], left), env, args.smoke)
         report["parts"][part] = result
@@ -624,6 +629,9 @@ def summary(report: dict) -> str:
     pytest_part = report["parts"].get("pytest", {})
     for f in pytest_part.get("failures", []):
         lines.append(f"- pytest {f['outcome']}: `{f['test']}`: {f['message'][:200]}")
+        tail = f.get("traceback", "").strip().splitlines()[-12:]
+        if tail:
+            lines += ["", "  ```"] + [f"  {line}" for line in tail] + ["  ```"]
     kernels = _records(report, "kernels", "kernel")
     if kernels:
         lines += ["", "## Triton kernels", "", "| kernel | correct | GB/s | torch GB/s | first call (s) |",
