@@ -195,6 +195,14 @@ class Dispatch:
         if plan is not None and plan.aliases:
             self._bind(call, owner)
             return self._run_view(call)
+        if plan is not None and placement.learns_layout(plan, self.device.type):  # See Note [Direct placement]
+            self._bind(call, owner)
+            result = self._run_temporary(call, plan)
+            if placement.same_layout(plan, list(result) if isinstance(result, (tuple, list)) else [result]):
+                plan.learned.append(True)
+            else:
+                placement.without_out(call.func, call.args, call.kwargs, self.device.type, plan)
+            return result
         if plan is not None and (plan.out_op is not None or call.op.uninitialized):
             try:
                 return self._run_direct(call, owner, plan)

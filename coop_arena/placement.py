@@ -33,6 +33,15 @@ Approach:
     native_batch_norm.out reads a non-contiguous input (a slice, a transpose) wrongly, output, saved and running
     statistics alike, while the functional op handles it. Such ops (`_OUT_NEEDS_CONTIGUOUS`) take their out=
     variant only when every tensor input is contiguous (in some memory format); otherwise the temporary path.
+    Others write wrong values into any view with a storage offset, as an arena view has: linalg_qr.out leaves
+    part of R unwritten (what the arena held there stays). Those (`_OUT_WRONG`) always take the temporary path.
+  - The meta kernel's strides are not always the device kernel's (rfftn; the backward of log_softmax for a
+    transposed gradient, where the CPU's out= kernel also computes wrong values into a non-contiguous `out`).
+    Placing an output with other strides than plain PyTorch gives it changes the order of later reductions, so
+    their bits. When the planned layout is not contiguous in any memory format, the first call of the
+    configuration on the device runs as the functional op (the temporary path) and compares: the same layout
+    confirms the plan; another one drops its out= variant (`without_out`), and the configuration keeps taking
+    the temporary path, with the device kernel's own strides. Contiguous plans are taken as they are.
 Limitations: ops whose output shape depends on data (nonzero, masked_select) cannot run on `meta`: they take the
   temporary path and pay their cost model's call each time. A dry run on `meta` takes the CPU's choices, so its
   statistics match a CPU run.
@@ -75,9 +84,12 @@ class OpPlan:
                                                 # schema does not say so (dispatch.py, Rule 5); filled there
     checked: list = field(default_factory=list)  # [True] once a run showed its out= variant keeps its outputs'
                                                  # ranges (dispatch.py, Note [Direct placement]); filled there
+    learned: list = field(default_factory=list)  # [True] once a run on the device gave the layout planned on meta
+                                                 # (`learns_layout`; dispatch.py); filled there
 
 
 _OUT_NEEDS_CONTIGUOUS = {torch.ops.aten.native_batch_norm.default}  # see Note [Direct placement]
+_OUT_WRONG = {torch.ops.aten.linalg_qr.default}  # out= kernels that write wrong values into an arena view (ibid.)
 _PLANS: dict = {}
 _DECOMPOSES: dict = {}
 _OUT_VARIANTS: dict = {}
@@ -102,7 +114,7 @@ def plan_for(func, op, args, kwargs, device_type: str) -> OpPlan | None:
 
 def without_out(func, args, kwargs, device_type: str, plan: OpPlan) -> OpPlan:
     """The plan of this configuration from now on without its out= variant (it resizes its outputs on the way)."""
-    p = dataclasses.replace(plan, out_op=None, out_names=(), hidden={}, checked=[])
+    p = dataclasses.replace(plan, out_op=None, out_names=(), hidden={}, checked=[], learned=[])
     leaves, spec = ops.flatten(args, kwargs)
     key = _plan_key(func, leaves, spec, device_type)
     try:
@@ -111,6 +123,23 @@ def without_out(func, args, kwargs, device_type: str, plan: OpPlan) -> OpPlan:
     except TypeError:  # an unhashable argument: nothing was cached
         pass
     return p
+
+
+def learns_layout(plan: OpPlan, device_type: str) -> bool:
+    """Whether this call must run as the functional op, to learn the layout the device's kernel gives its outputs:
+    the meta kernel planned one that is not contiguous in any memory format (there the two may differ: rfftn,
+    log_softmax's backward of a transposed gradient), and no run on the device has confirmed it yet. See Note
+    [Direct placement]."""
+    return (plan.out_op is not None and not plan.learned and device_type != "meta"
+            and not all(s is None or _contiguous(torch.empty_strided(s.size, s.stride, dtype=s.dtype, device="meta"))
+                        for s in plan.outputs))
+
+
+def same_layout(plan: OpPlan, outs) -> bool:
+    """Whether the outputs the device's kernel gave have the sizes, strides and dtypes the plan would place."""
+    return len(outs) == len(plan.outputs) and all(
+        s is None or (isinstance(o, torch.Tensor) and o.dtype == s.dtype and tuple(o.size()) == s.size
+                      and tuple(o.stride()) == s.stride) for o, s in zip(outs, plan.outputs))
 
 
 def _plan_key(func, leaves, spec, device_type: str) -> tuple | None:
@@ -210,7 +239,8 @@ def _make_plan(func, op, leaves, spec, device_type) -> OpPlan | None:
             specs.append(None)
     cost = op_cost(op.flops, margs, mkwargs, mleaves, outs, out)
     out_op, names = None, ()
-    if not aliases and not partly and (func not in _OUT_NEEDS_CONTIGUOUS or all(_contiguous(x) for x in mleaves)):
+    if (not aliases and not partly and func not in _OUT_WRONG
+            and (func not in _OUT_NEEDS_CONTIGUOUS or all(_contiguous(x) for x in mleaves))):
         variant = out_variant(func)
         if variant is not None and all(s is not None for s in specs):
             candidate, names = variant

@@ -8,6 +8,7 @@ import contextlib
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import coop_arena
 from coop_arena import placement
@@ -161,3 +162,64 @@ def test_temporaries_are_counted_and_bounded_by_one_ops_outputs():
                                             "aten.native_batch_norm_backward.default"}
     assert st.placed_bytes > st.temporary_bytes
     assert _stats("mlp", 0.5).temporary_bytes == 0
+
+
+# ------------------------------------------------ layouts the meta kernel does not share with the device's
+def _both(step):
+    """`step(ctx)` run plainly and under a fresh ample Budget on the CPU."""
+    return step(contextlib.nullcontext()), step(coop_arena.Budget(1 << 24, device="cpu"))
+
+
+def test_log_softmax_backward_of_a_transposed_gradient_is_exact():
+    """The meta kernel plans the backward of log_softmax for a transposed gradient with transposed strides, the CPU
+    kernel makes it contiguous, and the CPU's out= kernel computes wrong values into the non-contiguous view: the
+    input's gradient differed at every budget (by up to 4.5 here), and so did F.ctc_loss's, which reads its
+    log-probabilities through a transpose. The first call now learns the device's layout (Note [Direct
+    placement])."""
+    g = torch.Generator().manual_seed(0)
+    x0, w = torch.randn(4, 10, 16, generator=g), torch.randn(10, 4, 16, generator=g)
+    targets, lengths = torch.randint(1, 16, (4, 5), generator=g), torch.full((4,), 10)
+
+    def step(ctx):
+        x = x0.clone().requires_grad_()
+        with ctx:
+            lp = x.log_softmax(-1)
+            loss = (lp.transpose(0, 1) * w).sum() + F.ctc_loss(lp.transpose(0, 1), targets, lengths,
+                                                               torch.full((4,), 5))
+            loss.backward()
+        return loss.detach(), x.grad
+
+    (want_loss, want), (loss, got) = _both(step)
+    assert torch.equal(want_loss, loss) and torch.equal(want, got)
+
+
+def test_outputs_take_the_devices_strides_so_later_reductions_keep_their_bits():
+    """rfftn's meta kernel gives its output other strides than the CPU kernel does; placed with those, the same
+    values were summed in another order later. The output now has plain PyTorch's strides, and the sum its bits."""
+    y = torch.randn(3, 5, 11, generator=torch.Generator().manual_seed(0))
+
+    def step(ctx):
+        with ctx:
+            f = torch.fft.rfftn(y * 1)
+            s = f.abs().sum(0)
+        return f.stride(), s
+
+    (want_stride, want), (stride, got) = _both(step)
+    assert stride == want_stride and torch.equal(want, got)
+
+
+def test_linalg_qr_is_exact_in_later_blocks():
+    """linalg_qr.out leaves part of R unwritten when R has a storage offset, as every arena view but the first
+    call's has: R kept what the arena held there (here NaNs of a freed tensor) from the second block on, or
+    PyTorch's own internal assert fired. qr now takes the temporary path."""
+    g = torch.Generator().manual_seed(0)
+    for shape in [(5, 5), (20, 12)]:
+        a = torch.randn(*shape, generator=g)
+        want = torch.linalg.qr(a)
+        budget = coop_arena.Budget(1 << 20, device="cpu")
+        for _ in range(2):
+            with budget:
+                h = torch.full((250_000,), float("nan"))
+                del h
+                q, r = torch.linalg.qr(a * 1)
+            assert torch.equal(want[0], q) and torch.equal(want[1], r), shape
