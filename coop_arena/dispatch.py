@@ -57,6 +57,16 @@ _OWN_DROPOUT_STATE = (aten._cudnn_rnn.default, aten.miopen_rnn.default)
 _DROPOUT_STATE_MAKERS = (aten._cudnn_init_dropout_state.default,)
 
 
+# Batch norms in training write their running statistics although their schema does not mark them. Outside the
+# arena that is Rule 5's effect, found by the probe (_hidden_writes). In the arena (statistics made inside the
+# block, or InstanceNorm's repeated copy of them) the op is a write into those storages as well as a producer:
+# their readers are frozen before it, they are kept after it (unevictable: nothing replays the update), and the
+# op is recorded without them, so a replay of its outputs does not update them again.
+# op -> (position of `training`, positions of the running statistics)
+_STATS_WRITES = {aten.native_batch_norm.default: (5, (3, 4)), aten.cudnn_batch_norm.default: (5, (3, 4)),
+                 aten.miopen_batch_norm.default: (5, (3, 4))}
+
+
 def _draws_from_own_state(call: _Call) -> bool:
     if call.func not in _OWN_DROPOUT_STATE:
         return False
@@ -84,11 +94,13 @@ def _grew(e: RuntimeError) -> bool:
 class _Call:
     """One op call in progress: its arguments as given, as plain tensors, and as recorded for a recipe."""
 
-    __slots__ = ("func", "op", "args", "kwargs", "leaves", "spec", "inputs", "plain", "recorded", "pargs", "pkwargs")
+    __slots__ = ("func", "op", "args", "kwargs", "leaves", "spec", "inputs", "plain", "recorded", "pargs", "pkwargs",
+                 "stats")
 
     def __init__(self, func, op, args, kwargs, leaves, spec):
         self.func, self.op, self.args, self.kwargs, self.leaves, self.spec = func, op, args, kwargs, leaves, spec
         self.inputs: list[Storage] = []
+        self.stats: list = []  # (position, storage) of running statistics in the arena it writes (_STATS_WRITES)
 
 
 class Dispatch:
@@ -187,6 +199,10 @@ class Dispatch:
     # ---------------------------------------------------------------------------------------- functional
     def _run_functional(self, call: _Call, owner: dict):
         """See Note [Direct placement] in placement.py."""
+        if call.func in _STATS_WRITES:
+            call.stats = self._arena_stats(call, owner)
+            for _, s in call.stats:
+                self.remat.freeze_readers(s)
         host = self._host_index(call) or call.func in _DROPOUT_STATE_MAKERS
         if host or self._elsewhere(call.kwargs.get("device")):  # `x.cpu()`, `zeros(device="cpu")` on CUDA
             self._bind(call, owner)
@@ -263,9 +279,28 @@ class Dispatch:
         key = (call.func, where, repr([a for a in call.plain if not isinstance(a, torch.Tensor)]))
         return externals, (_UNMARKED_WRITES, key), _UNMARKED_WRITES.get(key)
 
+    def _arena_stats(self, call: _Call, owner: dict) -> list:
+        """(position, storage) of the running statistics in this block's arena that a batch norm in training is
+        about to write (_STATS_WRITES)."""
+        training, positions = _STATS_WRITES[call.func]
+        names = [a.name for a in call.func._schema.arguments]
+        if not ops.arg(call.args, call.kwargs, training, names[training], False):
+            return []
+        out = []
+        for pos in positions:
+            t = ops.arg(call.args, call.kwargs, pos, names[pos], False)
+            s = next((owner[i] for i, x in enumerate(call.leaves) if x is t and i in owner), None)
+            if s is not None:
+                out.append((pos, s))
+        return out
+
     def _hidden_writes(self, call: _Call, recipe: Recipe, externals, written) -> bool:
-        """See Rule 5: writes into external tensors the schema does not mark. Returns whether the outputs stay
-        evictable."""
+        """See Rule 5: writes into external tensors the schema does not mark; and running statistics in the arena
+        (_STATS_WRITES). Returns whether the outputs stay evictable."""
+        for pos, s in call.stats:
+            self.remat.make_unevictable(s)
+            if pos < len(recipe.args):
+                recipe.without_arg(pos)
         evictable = not call.op.effectful
         for pos, t in externals:
             if pos in written:
