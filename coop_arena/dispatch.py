@@ -399,6 +399,7 @@ class Dispatch:
         rng = capture_rng(self.device, call.op.random, call.pkwargs)
         out = func(*call.pargs, **call.pkwargs)
         out_leaves = list(out) if isinstance(out, (tuple, list)) else [out]
+        placement.check_strided(func, out_leaves)
         cost = plan.cost if plan is not None else op_cost(call.op.flops, call.pargs, call.pkwargs, call.plain,
                                                           out_leaves, out)
         self._account(cost)

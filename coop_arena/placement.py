@@ -58,6 +58,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import ops
 from .cost import op_cost
+from .errors import UnsupportedOp
 
 _BACKEND_KEY = {"cpu": "CPU", "cuda": "CUDA", "meta": "CPU"}
 
@@ -225,6 +226,7 @@ def _make_plan(func, op, leaves, spec, device_type) -> OpPlan | None:
     finally:
         torch.random.set_rng_state(rng)
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    check_strided(func, outs)
     in_storages = {x.untyped_storage()._cdata for x in mleaves if isinstance(x, torch.Tensor)}
     shared = [o.untyped_storage()._cdata in in_storages for o in outs if isinstance(o, torch.Tensor)]
     aliases = bool(shared) and all(shared)
@@ -250,6 +252,15 @@ def _make_plan(func, op, leaves, spec, device_type) -> OpPlan | None:
     parts = (out_op is None and not aliases and not partly and not op.uninitialized and decomposes(func, op, device_type)
              and _parts_make_outputs(func, device_type, margs, mkwargs))
     return OpPlan(tuple(specs), aliases, parts, out_op, names if out_op is not None else (), cost)
+
+
+def check_strided(func, outs) -> None:
+    """An output that is not a strided tensor (sparse, nested) has no byte range an arena could hold: refused."""
+    for o in outs:
+        if isinstance(o, torch.Tensor) and o.layout != torch.strided:
+            raise UnsupportedOp(func, f"it makes a tensor of layout {o.layout}, which has no byte range an arena can "
+                                      f"hold; only strided (dense) tensors are placed. Run it outside the Budget's "
+                                      f"block (for a sparse embedding: nn.Embedding(sparse=False) inside it)")
 
 
 def _contiguous(x) -> bool:

@@ -379,3 +379,23 @@ def test_running_statistics_in_the_arena_are_written_once_and_kept(policy):
     assert budget.stats.evictions > 0 and budget.stats.rematerializations > 0
     assert stress.stats.rematerializations > 10
 
+
+def test_sparse_outputs_are_refused_with_a_typed_error_and_the_budget_stays_usable():
+    """A sparse tensor has no byte range an arena could hold; making one (a sparse embedding's gradient,
+    to_sparse) raised PyTorch's NotImplementedError from inside the plan. It is UnsupportedOp now, saying what to
+    do, and the Budget runs the next step."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(40, 16, sparse=True)
+    idx = torch.randint(0, 40, (8, 5))
+    budget = coop_arena.Budget(1 << 24, device="cpu")
+    with pytest.raises(coop_arena.UnsupportedOp, match="layout torch.sparse_coo.*sparse=False"):
+        with budget:
+            emb(idx).sum().backward()
+    with pytest.raises(coop_arena.UnsupportedOp, match="layout torch.sparse_coo"):
+        with budget:
+            (torch.randn(4, 4) * 2).to_sparse()
+    dense = torch.nn.Embedding(40, 16)
+    with budget:
+        loss = dense(idx).square().sum()
+        loss.backward()
+    assert dense.weight.grad is not None and budget.stats.ops > 0 and budget.memory.used_bytes == 0
