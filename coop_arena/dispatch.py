@@ -67,9 +67,12 @@ _STATS_WRITES = {aten.native_batch_norm.default: (5, (3, 4)), aten.cudnn_batch_n
                  aten.miopen_batch_norm.default: (5, (3, 4))}
 
 
+def _keeps_outputs(call: _Call) -> bool:
+    """Whether the op draws from an engine's own dropout state (_OWN_DROPOUT_STATE): its outputs are kept."""
+    return call.func in _OWN_DROPOUT_STATE and _draws_from_own_state(call)
+
+
 def _draws_from_own_state(call: _Call) -> bool:
-    if call.func not in _OWN_DROPOUT_STATE:
-        return False
     names = [a.name for a in call.func._schema.arguments]
     dropout, train = (ops.arg(call.args, call.kwargs, names.index(n), n, False) for n in ("dropout", "train"))
     return bool(train) and bool(dropout)
@@ -100,7 +103,7 @@ class _Call:
     def __init__(self, func, op, args, kwargs, leaves, spec):
         self.func, self.op, self.args, self.kwargs, self.leaves, self.spec = func, op, args, kwargs, leaves, spec
         self.inputs: list[Storage] = []
-        self.stats: list = []  # (position, storage) of running statistics in the arena it writes (_STATS_WRITES)
+        self.stats = ()  # (position, storage) of running statistics in the arena it writes (_STATS_WRITES)
 
 
 class Dispatch:
@@ -203,7 +206,7 @@ class Dispatch:
             call.stats = self._arena_stats(call, owner)
             for _, s in call.stats:
                 self.remat.freeze_readers(s)
-        host = self._host_index(call) or call.func in _DROPOUT_STATE_MAKERS
+        host = not call.inputs and (call.func in _DROPOUT_STATE_MAKERS or self._host_index(call))
         if host or self._elsewhere(call.kwargs.get("device")):  # `x.cpu()`, `zeros(device="cpu")` on CUDA
             self._bind(call, owner)
             return self._run_temporary(call, None, host=host)  # its outputs are returned as they are
@@ -211,7 +214,8 @@ class Dispatch:
         if plan is not None and plan.aliases:
             self._bind(call, owner)
             return self._run_view(call)
-        if plan is not None and placement.learns_layout(plan, self.device.type):  # See Note [Direct placement]
+        if plan is not None and not plan.contiguous and placement.learns_layout(plan, self.device.type):
+            # See Note [Direct placement]
             self._bind(call, owner)
             result = self._run_temporary(call, plan)
             if placement.same_layout(plan, list(result) if isinstance(result, (tuple, list)) else [result]):
@@ -348,7 +352,7 @@ class Dispatch:
             rargs, rkwargs = ops.unflatten(call.recorded, call.spec)
             recipe = Recipe.make(func, rargs, rkwargs, rng, plan.cost, uninitialized=call.op.uninitialized,
                                  grad_mode=torch.is_grad_enabled(), direct=plan)
-            evictable = self._hidden_writes(call, recipe, externals, written) and not _draws_from_own_state(call)
+            evictable = self._hidden_writes(call, recipe, externals, written) and not _keeps_outputs(call)
             results = []
             for j, (s, o, v) in enumerate(zip(placed, plan.outputs, views)):
                 if s is None:
@@ -410,7 +414,7 @@ class Dispatch:
         rargs, rkwargs = ops.unflatten(call.recorded, call.spec)
         recipe = Recipe.make(func, rargs, rkwargs, rng, cost, uninitialized=call.op.uninitialized,
                              grad_mode=torch.is_grad_enabled())
-        evictable = self._hidden_writes(call, recipe, externals, written) and not _draws_from_own_state(call)
+        evictable = self._hidden_writes(call, recipe, externals, written) and not _keeps_outputs(call)
         placed, temporary, alive = [], 0, 0
         outside = {t.untyped_storage()._cdata for _, t in externals}  # (placement: outputs that alias inputs)
         try:

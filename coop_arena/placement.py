@@ -87,6 +87,7 @@ class OpPlan:
                                                  # ranges (dispatch.py, Note [Direct placement]); filled there
     learned: list = field(default_factory=list)  # [True] once a run on the device gave the layout planned on meta
                                                  # (`learns_layout`; dispatch.py); filled there
+    contiguous: bool = True  # every output is planned contiguous in some memory format (`learns_layout`)
 
 
 _OUT_NEEDS_CONTIGUOUS = {torch.ops.aten.native_batch_norm.default}  # see Note [Direct placement]
@@ -131,9 +132,7 @@ def learns_layout(plan: OpPlan, device_type: str) -> bool:
     the meta kernel planned one that is not contiguous in any memory format (there the two may differ: rfftn,
     log_softmax's backward of a transposed gradient), and no run on the device has confirmed it yet. See Note
     [Direct placement]."""
-    return (plan.out_op is not None and not plan.learned and device_type != "meta"
-            and not all(s is None or _contiguous(torch.empty_strided(s.size, s.stride, dtype=s.dtype, device="meta"))
-                        for s in plan.outputs))
+    return plan.out_op is not None and not plan.contiguous and not plan.learned and device_type != "meta"
 
 
 def same_layout(plan: OpPlan, outs) -> bool:
@@ -249,9 +248,13 @@ def _make_plan(func, op, leaves, spec, device_type) -> OpPlan | None:
             mouts = {n: torch.empty_strided(s.size, s.stride, dtype=s.dtype, device="meta") for n, s in zip(names, specs)}
             if writes_in_place(candidate, device_type, margs, {**mkwargs, **mouts}):
                 out_op = candidate
-    parts = (out_op is None and not aliases and not partly and not op.uninitialized and decomposes(func, op, device_type)
+    parts = (out_op is None and not aliases and not partly and not op.uninitialized
+             and decomposes(func, op, device_type)
              and _parts_make_outputs(func, device_type, margs, mkwargs))
-    return OpPlan(tuple(specs), aliases, parts, out_op, names if out_op is not None else (), cost)
+    contiguous = all(s is None or _contiguous(torch.empty_strided(s.size, s.stride, dtype=s.dtype, device="meta"))
+                     for s in specs)
+    return OpPlan(tuple(specs), aliases, parts, out_op, names if out_op is not None else (), cost,
+                  contiguous=contiguous)
 
 
 def check_strided(func, outs) -> None:
