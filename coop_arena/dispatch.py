@@ -242,12 +242,13 @@ class Dispatch:
         return bool(devices) and all(d != self.device for d in devices)
 
     def _host_index(self, call: _Call) -> bool:
-        """Whether a factory op asks for an integer or bool tensor on the CPU by name, in a block on the CPU or on
-        meta: it stays a plain CPU tensor outside the arena, as in a block on CUDA (an exception to Rule 1), since
-        such tensors are host-side bookkeeping that C++ kernels may read by pointer (the lengths that
-        _pad_packed_sequence makes with its batch sizes' options), which a wrapper has no data for."""
+        """Whether a factory op asks for an integer or bool tensor on the CPU by name in a dry run on meta: it stays
+        a plain CPU tensor outside the arena, as in a block on CUDA (an exception to Rule 1). Such tensors are
+        host-side bookkeeping that C++ kernels may read by pointer (the lengths _pad_packed_sequence makes with its
+        batch sizes' options), which a wrapper has no data for. Not in a block on the CPU, where a model's own
+        tensors are asked for on the CPU by name too (`device=x.device`): there they stay in the arena and count."""
         device, dtype = call.kwargs.get("device"), call.kwargs.get("dtype")
-        return (device is not None and dtype is not None and not call.inputs and self.device.type != "cuda"
+        return (device is not None and dtype is not None and not call.inputs and self.device.type == "meta"
                 and torch.device(device).type == "cpu" and not (dtype.is_floating_point or dtype.is_complex)
                 and not any(isinstance(x, torch.Tensor) for x in call.leaves))
 

@@ -4,8 +4,9 @@ Rules enforced here (see ../shared DESIGN numbering):
 1. Tensors that existed before the block are read, never moved, evicted or counted. Everything produced inside
    lives in the arena and counts, with two exceptions: a leaf's gradient leaves the arena as soon as autograd has
    accumulated it (a post-accumulate-grad hook), since it is model-sized state like the parameter itself and is
-   final from then on; and host-side integer tensors stay plain CPU tensors (dispatch.py: `_host_index`,
-   `_HOST_OUTPUTS`), as they are in a block on CUDA.
+   final from then on; and host-side integer tensors (a packed sequence's batch sizes; in a dry run on meta,
+   integer tensors asked for on the CPU) stay plain CPU tensors (dispatch.py: `_HOST_OUTPUTS`, `_host_index`),
+   as they are in a block on CUDA.
 2. A storage lives while a wrapper uses it or a recipe that may still be replayed reads it; when neither holds, it
    is freed, and so in turn is every dead storage that only its recipes needed.
 
