@@ -62,20 +62,21 @@ _DROPOUT_STATE_MAKERS = (aten._cudnn_init_dropout_state.default,)
 # block, or InstanceNorm's repeated copy of them) the op is a write into those storages as well as a producer:
 # their readers are frozen before it, they are kept after it (unevictable: nothing replays the update), and the
 # op is recorded without them, so a replay of its outputs does not update them again.
-# op -> (position of `training`, positions of the running statistics)
-_STATS_WRITES = {aten.native_batch_norm.default: (5, (3, 4)), aten.cudnn_batch_norm.default: (5, (3, 4)),
-                 aten.miopen_batch_norm.default: (5, (3, 4))}
+_STATS_WRITES = (aten.native_batch_norm.default, aten.cudnn_batch_norm.default, aten.miopen_batch_norm.default)
+_STATS = ("running_mean", "running_var")
+
+
+def _named(call: _Call, name: str) -> tuple:
+    """(position, value) of the op's schema argument `name` in this call (None where left at its default)."""
+    pos = next(i for i, a in enumerate(call.func._schema.arguments) if a.name == name)
+    return pos, ops.arg(call.args, call.kwargs, pos, name, False)
 
 
 def _keeps_outputs(call: _Call) -> bool:
-    """Whether the op draws from an engine's own dropout state (_OWN_DROPOUT_STATE): its outputs are kept."""
-    return call.func in _OWN_DROPOUT_STATE and _draws_from_own_state(call)
-
-
-def _draws_from_own_state(call: _Call) -> bool:
-    names = [a.name for a in call.func._schema.arguments]
-    dropout, train = (ops.arg(call.args, call.kwargs, names.index(n), n, False) for n in ("dropout", "train"))
-    return bool(train) and bool(dropout)
+    """Whether the op draws from an engine's own dropout state in training (_OWN_DROPOUT_STATE): its outputs are
+    kept."""
+    return (call.func in _OWN_DROPOUT_STATE and bool(_named(call, "train")[1])
+            and bool(_named(call, "dropout")[1]))
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -214,8 +215,7 @@ class Dispatch:
         if plan is not None and plan.aliases:
             self._bind(call, owner)
             return self._run_view(call)
-        if plan is not None and not plan.contiguous and placement.learns_layout(plan, self.device.type):
-            # See Note [Direct placement]
+        if plan is not None and placement.learns_layout(plan, self.device.type):  # See Note [Direct placement]
             self._bind(call, owner)
             result = self._run_temporary(call, plan)
             if placement.same_layout(plan, list(result) if isinstance(result, (tuple, list)) else [result]):
@@ -287,13 +287,10 @@ class Dispatch:
     def _arena_stats(self, call: _Call, owner: dict) -> list:
         """(position, storage) of the running statistics in this block's arena that a batch norm in training is
         about to write (_STATS_WRITES)."""
-        training, positions = _STATS_WRITES[call.func]
-        names = [a.name for a in call.func._schema.arguments]
-        if not ops.arg(call.args, call.kwargs, training, names[training], False):
+        if not _named(call, "training")[1]:
             return []
         out = []
-        for pos in positions:
-            t = ops.arg(call.args, call.kwargs, pos, names[pos], False)
+        for pos, t in (_named(call, name) for name in _STATS):
             s = next((owner[i] for i, x in enumerate(call.leaves) if x is t and i in owner), None)
             if s is not None:
                 out.append((pos, s))

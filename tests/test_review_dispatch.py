@@ -302,27 +302,40 @@ def test_a_users_out_argument_that_the_kernel_would_resize_on_the_way_is_refused
         assert torch.equal(fine, torch.nn.functional.huber_loss(x, target, reduction="none"))
 
 
+_RNN = dict(steps=5, batch=3, inp=4, hidden=6)
+
+
+def _cudnn_lstm(weight_buf: bool):
+    """A one-layer LSTM's inputs on meta, made here (before the block), and a function that calls aten._cudnn_rnn on
+    them (inside it) with (dropout, train); returns the flat weight buffer it passes too (or None)."""
+    steps, batch, inp, hidden = _RNN.values()
+    with torch.device("meta"):
+        weights = [torch.empty(4 * hidden, inp), torch.empty(4 * hidden, hidden), torch.empty(4 * hidden),
+                   torch.empty(4 * hidden)]
+        buf = torch.empty(sum(w.numel() for w in weights)) if weight_buf else None
+        x, h0, c0 = torch.empty(steps, batch, inp), torch.zeros(1, batch, hidden), torch.zeros(1, batch, hidden)
+
+    def call(dropout=0.0, train=True):
+        return torch.ops.aten._cudnn_rnn.default(x * 2, weights, 4, buf, h0, c0, 2, hidden, 0, 1, False, dropout,
+                                                 train, False, [], None)
+    return call, buf
+
+
 def test_an_op_whose_outputs_alias_its_inputs_in_part_places_the_fresh_ones():
     """cuDNN's RNN returns the flat weight buffer it was given beside its fresh outputs. The op was taken for a view,
     as if every output aliased an input: the fresh outputs came back as plain tensors, outside the budget and never
     evicted. Now they are placed (and evicted and replayed like any output) and the weight buffer is returned as it
     is. Run on meta, where `_cudnn_rnn` has a kernel; with every storage evicted after every op."""
     from test_exactness import EvictAll
-    aten = torch.ops.aten
-    steps, batch, inp, hidden = 5, 3, 4, 6
-    with torch.device("meta"):
-        weights = [torch.empty(4 * hidden, inp), torch.empty(4 * hidden, hidden), torch.empty(4 * hidden),
-                   torch.empty(4 * hidden)]
-        weight_buf = torch.empty(sum(w.numel() for w in weights))
-        x, h0, c0 = torch.empty(steps, batch, inp), torch.zeros(1, batch, hidden), torch.zeros(1, batch, hidden)
+    rnn, weight_buf = _cudnn_lstm(weight_buf=True)
     budget = coop_arena.Budget(1 << 24, device="meta")
     with EvictAll(budget):
-        out = aten._cudnn_rnn.default(x * 2, weights, 4, weight_buf, h0, c0, 2, hidden, 0, 1, False, 0.0, True,
-                                      False, [], None)
+        out = rnn()
         assert all(isinstance(o, coop_arena.Tensor) for o in out[:3])
         assert out[4] is weight_buf and not isinstance(out[4], coop_arena.Tensor)
         total = out[0].sum() + out[1].sum() + out[2].sum()  # each restored by replaying the op
     assert total.shape == () and budget.stats.rematerializations >= 3
+    steps, batch, _, hidden = _RNN.values()
     assert budget.stats.placed_bytes >= 4 * (steps * batch * hidden + 2 * batch * hidden)
 
 
@@ -331,16 +344,9 @@ def test_cudnn_rnn_outputs_with_its_own_dropout_are_kept(dropout, train, evictab
     """cuDNN's RNN draws its dropout masks from a state buffer of its own that it advances in place, which a
     replay cannot put back (Rule 4): with dropout in training its outputs are kept unevictable; without, they are
     evictable like any output. The decision, checked on meta where `_cudnn_rnn` has a kernel."""
-    aten = torch.ops.aten
-    steps, batch, inp, hidden = 5, 3, 4, 6
-    with torch.device("meta"):
-        weights = [torch.empty(4 * hidden, inp), torch.empty(4 * hidden, hidden), torch.empty(4 * hidden),
-                   torch.empty(4 * hidden)]
-        x, h0, c0 = torch.empty(steps, batch, inp), torch.zeros(1, batch, hidden), torch.zeros(1, batch, hidden)
-    budget = coop_arena.Budget(1 << 24, device="meta")
-    with budget:
-        out = aten._cudnn_rnn.default(x * 2, weights, 4, None, h0, c0, 2, hidden, 0, 1, False, dropout, train,
-                                      False, [], None)
+    rnn, _ = _cudnn_lstm(weight_buf=False)
+    with coop_arena.Budget(1 << 24, device="meta"):
+        out = rnn(dropout, train)
         kept = [o._cell.storage.evictable for o in out[:3]]
     assert kept == [evictable] * 3
 
