@@ -145,12 +145,27 @@ def generator_for(device: torch.device, kwargs: dict):
     return None  # meta: no bits to reproduce
 
 
+# Note [Swapping a CUDA generator's state]
+# Rationale: `set_state` on a CUDA generator (like `manual_seed`) also tells cuDNN to re-seed the dropout state of
+#   its RNNs: the next training LSTM/GRU with dropout draws a new seed from the generator (advancing it) and uses
+#   other dropout masks. Plain PyTorch never calls it during a step, so a replay that did would change the bits
+#   of every cuDNN RNN with dropout after it, and of every random op after that.
+# Approach: a CUDA generator's state is an object the generator points to. Capture takes a copy of it
+#   (`clone_state`); a replay points the generator at a fresh copy of that (`graphsafe_set_state`) and back at
+#   its own, untouched object afterwards, which re-arms nothing. Other generators (the CPU's, which has no such
+#   swap) go through get_state / set_state, which has no such side effect there.
+def _swaps(gen) -> bool:
+    return gen.device.type == "cuda" and hasattr(gen, "graphsafe_set_state")  # (torch >= 2.4 has it)
+
+
 def capture_rng(device: torch.device, random: bool, kwargs: dict):
     """(generator, state) before a random op runs (Rule 4), else None."""
     if not random:
         return None
     gen = generator_for(device, kwargs)
-    return None if gen is None else (gen, gen.get_state())
+    if gen is None:
+        return None
+    return gen, (gen.clone_state() if _swaps(gen) else gen.get_state())
 
 
 @contextmanager
@@ -173,6 +188,14 @@ def _rng(saved):
         yield
         return
     gen, state = saved
+    if _swaps(gen):  # Note [Swapping a CUDA generator's state]
+        now = gen.graphsafe_get_state()
+        gen.graphsafe_set_state(state.clone_state())
+        try:
+            yield
+        finally:
+            gen.graphsafe_set_state(now)
+        return
     now = gen.get_state()
     gen.set_state(state)
     try:

@@ -204,6 +204,56 @@ def test_random_ops_recompute_the_same_bits(make):
     assert torch.equal(r.as_plain(), expected)
 
 
+class CudaLikeGenerator:
+    """The CPU mirror of a CUDA generator for Note [Swapping a CUDA generator's state]: its state is an object it
+    points to (shared by graphsafe_get_state, copied by clone_state), and set_state, like CUDAGeneratorImpl's,
+    also re-arms cuDNN's re-seeding of RNN dropout."""
+
+    device = torch.device("cuda", 0)
+
+    def __init__(self, state):
+        self.state, self.rearmed = state, False
+
+    def draw(self):  # a random kernel advancing the Philox offset
+        self.state[1] += 4
+
+    def get_state(self):
+        return torch.tensor(self.state)
+
+    def set_state(self, t):
+        self.state, self.rearmed = t.tolist(), True
+
+    def clone_state(self):
+        return CudaLikeGenerator(list(self.state))
+
+    def graphsafe_get_state(self):
+        return CudaLikeGenerator(self.state)
+
+    def graphsafe_set_state(self, other):
+        self.state = other.state
+
+
+def test_replaying_a_random_op_on_cuda_re_arms_nothing():
+    from coop_arena.recipe import _rng, capture_rng
+
+    gen = CudaLikeGenerator([1234, 8])
+    saved = capture_rng(torch.device("cuda", 0), True, {"generator": gen})
+    gen.draw()  # the op itself, then later ops
+    gen.draw()
+    for _ in range(2):  # each replay starts from the captured state, and leaves the generator where it was
+        with _rng(saved):
+            assert gen.state == [1234, 8]
+            gen.draw()
+        assert gen.state == [1234, 16]
+    assert not gen.rearmed, "a replay called set_state: cuDNN would re-seed the next RNN's dropout"
+    cpu = torch.Generator().manual_seed(3)  # the CPU generator has no state to swap: get_state / set_state
+    saved = capture_rng(torch.device("cpu"), True, {"generator": cpu})
+    expected = torch.rand(4, generator=cpu)
+    with _rng(saved):
+        assert torch.equal(torch.rand(4, generator=cpu), expected)
+    assert not torch.equal(torch.rand(4, generator=cpu), expected)
+
+
 # ----------------------------------------------------------------------------------------------- custom ops
 @torch.library.custom_op("coop_arena_test::scaled_tanh", mutates_args=())
 def scaled_tanh(x: torch.Tensor, scale: float) -> torch.Tensor:

@@ -163,6 +163,35 @@ def test_a_cudnn_lstm_with_dropout_replays_the_same_bits():
     assert all(p.grad is not None for p in lstm.parameters())
 
 
+def test_a_replay_leaves_the_next_cudnn_rnn_dropout_as_plain(deterministic):
+    """Replaying a random op must not re-seed cuDNN's RNN dropout (Note [Swapping a CUDA generator's state] in
+    recipe.py): set_state would make the next training LSTM with dropout draw a new seed, hence other masks and
+    a generator moved on for every random op after it."""
+    lstm = torch.nn.LSTM(64, 128, num_layers=2, dropout=0.3, device="cuda")
+    x = torch.randn(16, 8, 64, device="cuda")
+
+    def run(budget=None):
+        torch.manual_seed(0)
+        with budget if budget is not None else torch.enable_grad():
+            first, _ = lstm(x)
+            d = F.dropout(x * 2, 0.5)
+            if budget is not None:
+                budget.memory.evict(d._cell.storage)
+                d = d + 0  # replays the dropout with the generator state it first ran with
+            second, _ = lstm(x)
+            outs = [t.as_plain().clone() if isinstance(t, coop_arena.Tensor) else t.detach().clone()
+                    for t in (first, d, second)]
+        return outs + [torch.cuda.default_generators[torch.cuda.current_device()].get_state()]
+
+    expected = run()
+    assert all(torch.equal(a, b) for a, b in zip(expected, run())), "plain PyTorch does not reproduce itself"
+    budget = coop_arena.Budget(1 << 26, device="cuda")
+    got = run(budget)
+    assert budget.stats.rematerializations >= 1
+    for name, a, b in zip(["first LSTM", "dropout", "second LSTM", "generator state"], got, expected):
+        assert torch.equal(a, b), name
+
+
 # ---------------------------------------------------------------------------------------------- relocation
 @compiled
 def test_arena_move_on_cuda_is_a_memmove():
