@@ -48,6 +48,7 @@ from torch.utils._pytree import tree_map
 
 from . import patches, sharded
 from .errors import BudgetUsageError
+from .recipe import whole
 from .tensor import Tensor
 
 _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
@@ -163,7 +164,7 @@ def _copied_outside(original):
     def run(self, memo):
         if patches.current() is None or isinstance(self, Tensor):
             return original(self, memo)
-        with _disable_current_modes():
+        with whole(_disable_current_modes()):  # Note [Interrupts] in recipe.py
             return original(self, memo)
     return run
 

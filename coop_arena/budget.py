@@ -24,7 +24,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispatch_mode,
+                                          _get_current_dispatch_mode_stack)
 
 from .arena import Arena, check_backend, resolve_device
 from .bookkeeping import Bookkeeping
@@ -181,7 +182,8 @@ class Budget:
             self._owner = me
         try:
             self._open()
-        except BaseException:
+        except BaseException:  # an error, or an interrupt part way: undo what was opened (Note [Interrupts])
+            self._runtime = None
             self._owner = None
             raise
         return self
@@ -195,25 +197,50 @@ class Budget:
                                 max_overhead=self.max_overhead, explain=self._explain_thrashing,
                                 bookkeeping=self._bookkeeping)
         self._bookkeeping.settle = self._runtime.settle
-        self._mode = self._runtime.mode = _Mode(self._runtime)
-        self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(_warn_if_compiled)
-        self._mode.__enter__()
-        self._bookkeeping.open()
-        _active.budget = self
+        try:
+            self._mode = self._runtime.mode = _Mode(self._runtime)
+            self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(_warn_if_compiled)
+            self._mode.__enter__()
+            self._bookkeeping.open()
+            _active.budget = self
+        except BaseException:
+            self._close_hooks()
+            raise
         pause_collection()  # the last step of opening: nothing after it can fail (Note [Cyclic collection])
+
+    def _close_hooks(self) -> None:
+        """Take the block's mode off the dispatch mode stack and remove its hooks and patches, each even when an
+        interrupt stops the one before, and whatever part of them `_open` got to (Note [Interrupts])."""
+        mode, hook, self._mode, self._module_hook = self._mode, self._module_hook, None, None
+        try:
+            if mode is not None and mode in _get_current_dispatch_mode_stack():
+                if _get_current_dispatch_mode() is not mode:  # never, unless something above leaked
+                    raise BudgetUsageError(f"{self!r} cannot leave its block: another dispatch mode entered inside "
+                                           f"it is still active ({_get_current_dispatch_mode()!r}); leave it first")
+                mode.__exit__(None, None, None)
+        finally:
+            try:
+                self._bookkeeping.close()
+            finally:
+                try:
+                    if getattr(_active, "budget", None) is self:
+                        _active.budget = None
+                finally:
+                    try:
+                        if mode is not None:
+                            mode.steps.remove()
+                    finally:
+                        if hook is not None:
+                            hook.remove()
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if self._mode is None or self._owner != threading.get_ident():
             raise BudgetUsageError(f"{self!r} is not active in this thread: __exit__ was called without a matching "
                                    f"__enter__ (or twice, or from another thread); use `with budget:` around the step")
+        rt = self._runtime
         try:
-            self._mode.__exit__(None, None, None)
+            self._close_hooks()
         finally:
-            self._bookkeeping.close()
-            _active.budget = None
-            self._mode.steps.remove()
-            self._module_hook.remove()
-            rt, self._mode, self._module_hook = self._runtime, None, None
             try:
                 rt.finish(failed=exc_type is not None)
             finally:

@@ -11,6 +11,7 @@ Rules enforced here (see ../shared DESIGN numbering):
 
 from __future__ import annotations
 
+import functools
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -168,21 +169,68 @@ def capture_rng(device: torch.device, random: bool, kwargs: dict):
     return gen, (gen.clone_state() if _swaps(gen) else gen.get_state())
 
 
-@contextmanager
+# Note [Interrupts]
+# Rationale: the context managers below change the thread's state (the dispatch mode stack, the dispatch keys
+#   autograd uses, grad mode, a generator's state) for the length of a `with`. Made by @contextmanager, each has
+#   a moment, after its generator yielded and before the `with` body starts, where an interrupt (Ctrl-C's
+#   KeyboardInterrupt, raised between any two bytecodes) leaves its generator suspended: its __exit__ never
+#   runs, the Budget's mode stays popped and autograd stays off for the thread, and whenever Python later
+#   collects the generator its cleanup puts them back at some unrelated moment (a finished block's mode pushed
+#   back onto the stack made every later op of the process fail).
+# Approach: `whole` enters such a context manager and, when anything is raised on the way in, closes its
+#   generator at once, which runs its cleanup in order; the `with` statement then owns everything that was
+#   changed or nothing. Budget.__enter__ and __exit__ undo and close step by step, each step also when the one
+#   before was interrupted (budget.py).
+class whole:
+    """`with whole(cm):` enters generator context manager `cm` all or nothing (Note [Interrupts])."""
+
+    __slots__ = ("cm",)
+
+    def __init__(self, cm):
+        self.cm = cm
+
+    def __enter__(self):
+        try:
+            return self.cm.__enter__()
+        except BaseException:
+            self.cm.gen.close()  # suspended at its yield if the interrupt came after it: its cleanup runs now
+            raise
+
+    def __exit__(self, *exc):
+        return self.cm.__exit__(*exc)
+
+
+def whole_contextmanager(genfunc):
+    """@contextmanager, entered with `whole`."""
+    cm = contextmanager(genfunc)
+
+    @functools.wraps(genfunc)
+    def make(*args, **kwargs):
+        return whole(cm(*args, **kwargs))
+    make.unguarded = cm  # the plain @contextmanager, for tests that interrupt it
+    return make
+
+
+@whole_contextmanager
 def plain_dispatch():
     """Run ops as the dispatch handler does (no autograd, no dispatch mode), for work started elsewhere."""
-    with torch.utils._python_dispatch._disable_current_modes(), torch._C._AutoDispatchBelowADInplaceOrView():
+    with whole(torch.utils._python_dispatch._disable_current_modes()), torch._C._AutoDispatchBelowADInplaceOrView():
         yield
 
 
-@contextmanager
+@whole_contextmanager
 def replaying(recipe: Recipe):
     """The conditions the op first ran under: grad mode and, for a random op, the generator state (Rule 4)."""
-    with torch.set_grad_enabled(recipe.grad_mode), torch._C._AutoDispatchBelowADInplaceOrView(), _rng(recipe.rng):
-        yield
+    grad = torch.is_grad_enabled()
+    try:  # (torch.set_grad_enabled sets the mode when made, before its `with` begins)
+        torch._C._set_grad_enabled(recipe.grad_mode)
+        with torch._C._AutoDispatchBelowADInplaceOrView(), _rng(recipe.rng):
+            yield
+    finally:
+        torch._C._set_grad_enabled(grad)
 
 
-@contextmanager
+@whole_contextmanager
 def _rng(saved):
     if saved is None:
         yield

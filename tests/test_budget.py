@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import coop_arena
-from coop_arena import lifetime
+from coop_arena import lifetime, recipe
 from coop_arena.storage import State
 from training import bitwise_equal, state, train
 
@@ -136,6 +136,69 @@ def test_keyboard_interrupt_leaves_budget_reusable():
         with budget:
             torch.randn(64, 64) @ torch.randn(64, 64)
             raise KeyboardInterrupt
+    model = train("mlp", budget)
+    assert bitwise_equal(state(train("mlp")), state(model))
+
+
+def _interrupted_once(monkeypatch, obj, name, *, entered=None):
+    """Make obj.name raise KeyboardInterrupt once, as a Ctrl-C arriving at that moment would. With `entered`, the
+    generator context manager obj.name is (recipe.whole_contextmanager) is interrupted after its generator yielded, just before
+    its `with` body starts: the moment that used to leave the generator suspended (Note [Interrupts])."""
+    real, armed = getattr(obj, name), [True]
+
+    class After:  # contextlib's __enter__ interrupted after the yield
+        def __init__(self, cm):
+            self.cm, self.gen = cm, cm.gen
+
+        def __enter__(self):
+            self.cm.__enter__()
+            raise KeyboardInterrupt
+
+        def __exit__(self, *exc):
+            return self.cm.__exit__(*exc)
+
+    def once(*args, **kwargs):
+        if not armed[0]:
+            return real(*args, **kwargs)
+        armed[0] = False
+        if entered is None:
+            raise KeyboardInterrupt
+        return recipe.whole(After(entered(*args, **kwargs)))
+    monkeypatch.setattr(obj, name, once)
+
+
+def _thread_state_is_plain():
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    assert _get_current_dispatch_mode_stack() == []
+    y = torch.ones(2, requires_grad=True) * 2  # no mode left, autograd on
+    assert type(y) is torch.Tensor and y.requires_grad
+
+
+@pytest.mark.parametrize("where", ["open", "close"])
+def test_an_interrupt_while_a_block_opens_or_closes_leaves_nothing_behind(monkeypatch, where):
+    """The Budget's mode, hooks and patches come off however far opening or closing got (Note [Interrupts])."""
+    from coop_arena import bookkeeping
+    budget = coop_arena.Budget(1 << 22, device="cpu")
+    _interrupted_once(monkeypatch, bookkeeping.Bookkeeping, where)
+    with pytest.raises(KeyboardInterrupt):
+        with budget:
+            torch.ones(4) + 1
+    _thread_state_is_plain()
+    model = train("mlp", budget)  # the same Budget, and a new one, work as before
+    assert bitwise_equal(state(train("mlp")), state(model))
+    train("mlp", coop_arena.Budget(1 << 22, device="cpu"))
+
+
+def test_an_interrupt_as_the_engine_enters_plain_dispatch_restores_the_thread(monkeypatch):
+    """An interrupt in the gradient hook's `with plain_dispatch():` once left the block's mode off the stack and
+    autograd off; when the suspended generator was collected, the dead mode came back and every op of the process
+    failed. Now the generator is closed at once and the thread is as before the block."""
+    budget = coop_arena.Budget(1 << 22, device="cpu")
+    _interrupted_once(monkeypatch, lifetime, "plain_dispatch", entered=recipe.plain_dispatch.unguarded)
+    with pytest.raises(KeyboardInterrupt):
+        train("mlp", budget, steps=1)
+    gc.collect()
+    _thread_state_is_plain()
     model = train("mlp", budget)
     assert bitwise_equal(state(train("mlp")), state(model))
 
