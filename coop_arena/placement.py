@@ -28,7 +28,9 @@ Approach:
     the elementwise loss into it first, then shrink it to the reduced shape): on an arena view that would write
     past the output's range. The first call of a configuration on a device with memory therefore writes into
     views whose storage is exactly the outputs' ranges and cannot grow; if the kernel tries, nothing has been
-    written, the plan drops its out= variant (`without_out`) and the op takes the temporary path.
+    written, the plan drops its out= variant (`without_out`) and the op takes the temporary path. The losses
+    known to do so (`_OUT_RESIZES`) take the temporary path from the start: PyTorch warns the user about the
+    resize of a non-empty `out` before it fails, where plain PyTorch would not.
   - Some out= kernels compute wrong values for inputs laid out differently from what they assume: PyTorch's CPU
     native_batch_norm.out reads a non-contiguous input (a slice, a transpose) wrongly, output, saved and running
     statistics alike, while the functional op handles it. Such ops (`_OUT_NEEDS_CONTIGUOUS`) take their out=
@@ -41,7 +43,11 @@ Approach:
     their bits. When the planned layout is not contiguous in any memory format, the first call of the
     configuration on the device runs as the functional op (the temporary path) and compares: the same layout
     confirms the plan; another one drops its out= variant (`without_out`), and the configuration keeps taking
-    the temporary path, with the device kernel's own strides. Contiguous plans are taken as they are.
+    the temporary path, with the device kernel's own strides. Contiguous plans are taken as they are, except
+    that the first call also checks that the out= kernel left its views as placed: some re-stride `out` within
+    its range to the layout the functional op gives (reflection and replication padding, max_unpool2d and their
+    backwards make a channels_last input's output channels_last, which meta plans contiguous); the plan then
+    takes that layout (`relaid`), and the outputs are wrapped with it.
 Limitations: ops whose output shape depends on data (nonzero, masked_select) cannot run on `meta`: they take the
   temporary path and pay their cost model's call each time. A dry run on `meta` takes the CPU's choices, so its
   statistics match a CPU run.
@@ -59,6 +65,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import ops
 from .cost import op_cost
 from .errors import UnsupportedOp
+from .recipe import whole
 
 _BACKEND_KEY = {"cpu": "CPU", "cuda": "CUDA", "meta": "CPU"}
 
@@ -92,6 +99,10 @@ class OpPlan:
 
 _OUT_NEEDS_CONTIGUOUS = {torch.ops.aten.native_batch_norm.default}  # see Note [Direct placement]
 _OUT_WRONG = {torch.ops.aten.linalg_qr.default}  # out= kernels that write wrong values into an arena view (ibid.)
+# out= kernels known to resize a reduced loss's `out` on the way (ibid.): found on the first call too, but PyTorch
+# warns the user that resizing a non-empty `out` is deprecated before the engine can fall back
+_OUT_RESIZES = {getattr(torch.ops.aten, n).default for n in (
+    "mse_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy", "soft_margin_loss")}
 _PLANS: dict = {}
 _DECOMPOSES: dict = {}
 _OUT_VARIANTS: dict = {}
@@ -117,6 +128,32 @@ def plan_for(func, op, args, kwargs, device_type: str) -> OpPlan | None:
 def without_out(func, args, kwargs, device_type: str, plan: OpPlan) -> OpPlan:
     """The plan of this configuration from now on without its out= variant (it resizes its outputs on the way)."""
     p = dataclasses.replace(plan, out_op=None, out_names=(), hidden={}, checked=[], learned=[])
+    _store(func, args, kwargs, device_type, p)
+    return p
+
+
+def relaid(func, args, kwargs, device_type: str, plan: OpPlan, outs) -> OpPlan | None:
+    """The plan of this configuration from now on with the layouts its out= kernel gave `outs` (arena views made
+    with the planned layouts), when that kernel re-strided some in place within their ranges: reflection_pad2d.out
+    and max_unpool2d.out lay a channels_last input's output out channels_last, as the functional op does, where
+    meta planned it contiguous (Note [Direct placement]). None when a view changed otherwise (its size, offset, or
+    a layout that does not fill its range exactly)."""
+    specs = []
+    for o, spec in zip(outs, plan.outputs):
+        if spec is None or not spec.nbytes:
+            specs.append(spec)
+            continue
+        size, stride = tuple(o.size()), tuple(o.stride())
+        if (size != spec.size or o.storage_offset() != 0 or not keeps_layout(size, stride)
+                or span_bytes(size, stride, o.element_size()) != spec.nbytes):
+            return None
+        specs.append(OutSpec(size, stride, spec.dtype, spec.nbytes))
+    p = dataclasses.replace(plan, outputs=tuple(specs), checked=[True])
+    _store(func, args, kwargs, device_type, p)
+    return p
+
+
+def _store(func, args, kwargs, device_type: str, p: OpPlan) -> None:
     leaves, spec = ops.flatten(args, kwargs)
     key = _plan_key(func, leaves, spec, device_type)
     try:
@@ -124,7 +161,6 @@ def without_out(func, args, kwargs, device_type: str, plan: OpPlan) -> OpPlan:
             _PLANS[key] = p
     except TypeError:  # an unhashable argument: nothing was cached
         pass
-    return p
 
 
 def learns_layout(plan: OpPlan, device_type: str) -> bool:
@@ -218,7 +254,7 @@ def _make_plan(func, op, leaves, spec, device_type) -> OpPlan | None:
     margs, mkwargs = ops.unflatten(mleaves, spec)
     rng = torch.random.get_rng_state()
     try:
-        with torch.utils._python_dispatch._disable_current_modes():
+        with whole(torch.utils._python_dispatch._disable_current_modes()):
             out = func(*margs, **mkwargs)
     except Exception:  # data-dependent shapes, or no meta kernel: the temporary path
         return None
@@ -240,7 +276,7 @@ def _make_plan(func, op, leaves, spec, device_type) -> OpPlan | None:
             specs.append(None)
     cost = op_cost(op.flops, margs, mkwargs, mleaves, outs, out)
     out_op, names = None, ()
-    if (not aliases and not partly and func not in _OUT_WRONG
+    if (not aliases and not partly and func not in _OUT_WRONG and func not in _OUT_RESIZES
             and (func not in _OUT_NEEDS_CONTIGUOUS or all(_contiguous(x) for x in mleaves))):
         variant = out_variant(func)
         if variant is not None and all(s is not None for s in specs):
@@ -346,7 +382,7 @@ def _parts_make_outputs(func, device_type: str, margs, mkwargs) -> bool:
     their data by pointer, which a wrapper has none of)."""
     probe = _Made()
     try:
-        with torch.utils._python_dispatch._disable_current_modes(), probe:
+        with whole(torch.utils._python_dispatch._disable_current_modes()), probe:
             out = func.redispatch(backend_keyset(device_type), *margs, **mkwargs)
     except Exception:
         return False
@@ -381,7 +417,7 @@ def writes_in_place(out_op, device_type: str, margs, mkwargs) -> bool:
     elif torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutograd"):
         probe = _Probe()
         try:
-            with torch.utils._python_dispatch._disable_current_modes(), probe:
+            with whole(torch.utils._python_dispatch._disable_current_modes()), probe:
                 out_op.redispatch(torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, backend)), *margs, **mkwargs)
             verdict = not probe.allocates
         except Exception:
