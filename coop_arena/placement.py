@@ -103,6 +103,9 @@ _OUT_WRONG = {torch.ops.aten.linalg_qr.default}  # out= kernels that write wrong
 # warns the user that resizing a non-empty `out` is deprecated before the engine can fall back
 _OUT_RESIZES = {getattr(torch.ops.aten, n).default for n in (
     "mse_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy", "soft_margin_loss")}
+# composite kernels that do not always dispatch their parts: scalar_tensor makes a CPU tensor itself (no empty,
+# no fill_ reaching the runtime), so decomposed it left the arena on the CPU and was placed as two parts on meta
+_STAYS_WHOLE = {torch.ops.aten.scalar_tensor.default}
 _PLANS: dict = {}
 _DECOMPOSES: dict = {}
 _OUT_VARIANTS: dict = {}
@@ -319,6 +322,7 @@ def decomposes(func, op, device_type: str) -> bool:
         name = func.name()
         known = _DECOMPOSES[key] = (
             func.namespace == "aten" and op.flops is None and not op.random and not op.effectful
+            and func not in _STAYS_WHOLE
             and not torch._C._dispatch_has_kernel_for_dispatch_key(name, _BACKEND_KEY[device_type])
             and torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutograd"))
     return known

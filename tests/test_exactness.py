@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 
 import coop_arena
 from training import bitwise_equal, state, train
@@ -142,3 +143,31 @@ def test_dry_run_matches_cpu_run():
         assert runs["cpu"][0] == runs["meta"][0], name
         assert runs["cpu"][1] == runs["meta"][1], name
         assert runs["cpu"][0]["evictions"] > 0
+
+
+def test_a_python_number_made_into_a_tensor_is_placed_alike_on_cpu_and_meta():
+    """`torch.where(c, x, 0.5)` and the backward of a clamp with a tensor bound make a 0-dim tensor with
+    aten.scalar_tensor, whose composite kernel makes a CPU tensor without dispatching: run as its parts, it left
+    the arena on the CPU (a plain tensor, uncounted) and was placed as two parts on meta, so a dry run planned
+    other peaks and evictions than the real step. It now runs whole on both."""
+    def step(budget, device):
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(64, 64).to(device) for _ in range(6)]
+        x = torch.randn(32, 64).to(device)
+        lo = torch.full((64,), -0.25).to(device)
+        with budget:
+            h = x
+            for layer in layers:
+                h = torch.where(layer(h) > 0, layer(h), 0.5).clamp(min=lo)
+            h.sum().backward()
+            assert isinstance(torch.ops.aten.scalar_tensor(0.5, device=device), coop_arena.Tensor)  # in the arena
+        stats = budget.stats.as_dict()
+        stats.pop("search_seconds"), stats.pop("search_seconds_per_event")
+        return stats, [tuple(e) for e in budget.trace]
+
+    probe = coop_arena.Budget(1 << 24, device="meta")
+    step(probe, "meta")
+    nbytes = probe.stats.peak_bytes // 2
+    cpu, meta = step(coop_arena.Budget(nbytes, device="cpu"), "cpu"), step(coop_arena.Budget(nbytes, device="meta"), "meta")
+    assert cpu[0]["evictions"] > 0 and cpu[0]["rematerializations"] > 0
+    assert cpu == meta
