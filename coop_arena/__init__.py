@@ -1,10 +1,10 @@
 """coop_arena: train PyTorch models under a hard memory budget (Coop sliding-window rematerialization)."""
 
-from .errors import (ArenaAllocationError, BudgetUsageError, CompileNotApplied, CoopArenaError, OutOfBudget,
-                     RawMemoryError, TensorLost, Thrashing, UnsupportedOp)
+from .errors import (ArenaAllocationError, AutocastNotPlanned, BudgetUsageError, CompileNotApplied, CoopArenaError,
+                     OutOfBudget, RawMemoryError, TensorLost, Thrashing, UnsupportedOp)
 from .memory import Memory
 
-__all__ = ["ArenaAllocationError", "BudgetUsageError", "CompileNotApplied", "CoopArenaError", "Memory", "OutOfBudget",
+__all__ = ["ArenaAllocationError", "AutocastNotPlanned", "BudgetUsageError", "CompileNotApplied", "CoopArenaError", "Memory", "OutOfBudget",
            "RawMemoryError", "TensorLost", "Thrashing", "UnsupportedOp"]
 
 from .budget import Budget, BudgetStats, pinned  # noqa: E402

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispat
 
 from .arena import Arena, check_backend, resolve_device
 from .bookkeeping import Bookkeeping
-from .errors import ArenaAllocationError, BudgetUsageError, CompileNotApplied, _fmt
+from .errors import ArenaAllocationError, AutocastNotPlanned, BudgetUsageError, CompileNotApplied, _fmt
 from .lifetime import pause_collection, resume_collection
 from .memory import Memory
 from .ops import flatten
@@ -87,6 +87,10 @@ class BudgetStats:
 
 _NO_DISPATCH = torch._C._disabled_torch_dispatch_impl  # torch.Tensor's and nn.Parameter's __torch_dispatch__
 _FAKE = torch._C._TorchDispatchModeKey.FAKE
+
+
+def _autocast_on() -> bool:
+    return any(torch.is_autocast_enabled(d) for d in ("cuda", "cpu", "xpu", "mps"))
 
 
 class _Mode(TorchDispatchMode):
@@ -159,7 +163,7 @@ class Budget:
         self._runtime: Runtime | None = None
         self._mode: _Mode | None = None
         self._module_hook = None
-        self._compile_warned = False
+        self._compile_warned = self._autocast_warned = False  # warned once per Budget
         self._bookkeeping: Bookkeeping | None = None
         self._stats: BudgetStats | None = None
         self._trace: list = []
@@ -312,9 +316,21 @@ class Budget:
 
 
 def _warn_if_compiled(module, args) -> None:
-    """Global module forward pre-hook while a Budget is active: a compiled module runs uncompiled in a Budget."""
+    """Global module forward pre-hook while a Budget is active: a compiled module runs uncompiled in a Budget, and
+    autocast has no effect in a dry run on meta."""
     budget = getattr(_active, "budget", None)
-    if budget is None or budget._compile_warned:
+    if budget is None:
+        return
+    if not budget._autocast_warned and budget.arena.device.type == "meta" and _autocast_on():
+        budget._autocast_warned = True
+        warnings.warn(
+            f"torch.autocast is on in a dry run on meta ({budget!r}), where it has no effect: meta tensors have no "
+            f"autocast dispatch key, so {type(module).__name__} and what follows run in the dtypes their tensors "
+            f"have (float32 where autocast on the device would compute in float16 or bfloat16). The plan's peak, "
+            f"evictions and overhead are those of the step without autocast, an overestimate. To plan a "
+            f"mixed-precision step, give the model the dtypes autocast would use (for example "
+            f"model.to(torch.bfloat16)), or run the Budget on the device itself", AutocastNotPlanned, stacklevel=2)
+    if budget._compile_warned:
         return
     frames = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing can have been compiled
     if (frames is not None and isinstance(module, frames.OptimizedModule)) or getattr(

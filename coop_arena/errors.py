@@ -133,6 +133,10 @@ class CompileNotApplied(UserWarning):
     """A compiled module (torch.compile) ran inside a Budget, where PyTorch runs it uncompiled."""
 
 
+class AutocastNotPlanned(UserWarning):
+    """torch.autocast was on in a dry run on `meta`, where it has no effect: the plan is for the step without it."""
+
+
 class InternalError(CoopArenaError):
     """A broken invariant inside coop_arena: a bug, not a misuse."""
 

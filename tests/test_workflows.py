@@ -335,6 +335,28 @@ def test_compiled_module_inside_a_budget_warns_once():
         torch._dynamo.reset()
 
 
+def test_autocast_in_a_dry_run_warns_that_the_plan_is_for_the_step_without_it():
+    """Meta tensors have no autocast dispatch key: under torch.autocast a dry run computes in float32 where the
+    device would use bfloat16, so its plan overestimates. It says so, once per Budget; a CPU Budget is silent."""
+    def step(device):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).to(device)
+        x = torch.randn(4, 32).to(device)
+        budget = coop_arena.Budget(1 << 20, device=device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                with budget, torch.autocast("cpu", dtype=torch.bfloat16):
+                    y = model(x)
+                    y.float().sum().backward()
+        return y.dtype, [w for w in caught if w.category is coop_arena.AutocastNotPlanned]
+
+    dtype, warned = step("meta")
+    assert dtype == torch.float32 and len(warned) == 1
+    assert "model.to(torch.bfloat16)" in str(warned[0].message) and "overestimate" in str(warned[0].message)
+    assert step("cpu") == (torch.bfloat16, [])
+
+
 # ---------------------------------------------------------------------------------------- attention and blame
 class Attention(nn.Module):
     """`n` self-attention layers with residual adds."""
