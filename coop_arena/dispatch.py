@@ -342,9 +342,7 @@ class Dispatch:
                     raise
                 if guard:
                     if not placement.same_layout(plan, views):  # re-strided in place: Note [Direct placement]
-                        plan = placement.relaid(func, call.args, call.kwargs, self.device.type, plan, views)
-                        if plan is None:
-                            raise _Grows
+                        raise _Grows
                     plan.checked.append(True)
             memory.may_relocate = True
             self._account(plan.cost)
@@ -725,10 +723,15 @@ class Dispatch:
         return self.memory._slots[owner - 1]
 
     def _input_holding(self, t: torch.Tensor, inputs, func, what: str) -> Storage:
-        """The input storage a plain arena tensor `t` (an op's view or written argument) lies in; an empty
-        view may start right at its storage's end."""
+        """The input storage a plain arena tensor `t` (an op's view or written argument) lies in. An empty view
+        holds no bytes and may start anywhere past its base's end (split's empty last chunk of a slice): it goes
+        with the input that starts last before it."""
         byte = t.storage_offset() * t.element_size()
         for s in inputs:
-            if s.offset <= byte < s.offset + max(s.nbytes, 1) or (t.numel() == 0 and s.offset <= byte <= s.offset + s.nbytes):
+            if s.offset <= byte < s.offset + max(s.nbytes, 1):
                 return s
+        if t.numel() == 0:
+            below = [s for s in inputs if s.offset <= byte]
+            if below:
+                return max(below, key=lambda s: s.offset)
         raise UnsupportedOp(func, f"it {what} arena memory that belongs to none of its inputs")

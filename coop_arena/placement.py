@@ -37,17 +37,20 @@ Approach:
     variant only when every tensor input is contiguous (in some memory format); otherwise the temporary path.
     Others write wrong values into any view with a storage offset, as an arena view has: linalg_qr.out leaves
     part of R unwritten (what the arena held there stays). Those (`_OUT_WRONG`) always take the temporary path.
-  - The meta kernel's strides are not always the device kernel's (rfftn; the backward of log_softmax for a
-    transposed gradient, where the CPU's out= kernel also computes wrong values into a non-contiguous `out`).
-    Placing an output with other strides than plain PyTorch gives it changes the order of later reductions, so
-    their bits. When the planned layout is not contiguous in any memory format, the first call of the
-    configuration on the device runs as the functional op (the temporary path) and compares: the same layout
-    confirms the plan; another one drops its out= variant (`without_out`), and the configuration keeps taking
-    the temporary path, with the device kernel's own strides. Contiguous plans are taken as they are, except
-    that the first call also checks that the out= kernel left its views as placed: some re-stride `out` within
-    its range to the layout the functional op gives (reflection and replication padding, max_unpool2d and their
-    backwards make a channels_last input's output channels_last, which meta plans contiguous); the plan then
-    takes that layout (`relaid`), and the outputs are wrapped with it.
+  - The meta kernel's strides are not always the device kernel's, and some out= kernels compute wrong values
+    into an `out` laid out otherwise than the functional op would lay it: rfftn and _fft_c2r follow their
+    input's permutation on the CPU; binary ops with operands in different layouts; reflection and replication
+    padding and max_unpool2d make a channels_last input's output channels_last where meta plans it contiguous
+    (their out= kernels re-stride `out` to it); log_softmax's backward follows a channels_last or transposed
+    gradient on meta while the CPU returns it contiguous and its out= kernel writes wrong values into such an
+    `out`. Placing an output with other strides than plain PyTorch gives it changes the order of later
+    reductions, so their bits. So the first call of a configuration on the device runs as the functional op
+    (the temporary path) and compares, unless every tensor input and planned output is contiguous in the
+    default format, or the op is a matmul, whose output is always planned and made contiguous
+    (`learns_layout`): the same layout confirms the plan; another one drops its out= variant
+    (`without_out`), and the configuration keeps taking the temporary path, with the device kernel's own
+    strides. For the rest, the first call's out= run also checks that the kernel left its views as placed;
+    one that re-strided them falls back like one that resizes.
 Limitations: ops whose output shape depends on data (nonzero, masked_select) cannot run on `meta`: they take the
   temporary path and pay their cost model's call each time. A dry run on `meta` takes the CPU's choices, so its
   statistics match a CPU run.
@@ -94,10 +97,11 @@ class OpPlan:
                                                  # ranges (dispatch.py, Note [Direct placement]); filled there
     learned: list = field(default_factory=list)  # [True] once a run on the device gave the layout planned on meta
                                                  # (`learns_layout`; dispatch.py); filled there
-    contiguous: bool = True  # every output is planned contiguous in some memory format (`learns_layout`)
+    plain: bool = True  # every tensor input and planned output is contiguous in the default format (`learns_layout`)
 
 
-_OUT_NEEDS_CONTIGUOUS = {torch.ops.aten.native_batch_norm.default}  # see Note [Direct placement]
+_OUT_NEEDS_CONTIGUOUS = {torch.ops.aten.native_batch_norm.default,  # see Note [Direct placement]
+                         torch.ops.aten._native_batch_norm_legit.no_stats}  # (the same CPU out= kernel)
 _OUT_WRONG = {torch.ops.aten.linalg_qr.default}  # out= kernels that write wrong values into an arena view (ibid.)
 # out= kernels known to resize a reduced loss's `out` on the way (ibid.): found on the first call too, but PyTorch
 # warns the user that resizing a non-empty `out` is deprecated before the engine can fall back
@@ -106,6 +110,10 @@ _OUT_RESIZES = {getattr(torch.ops.aten, n).default for n in (
 # composite kernels that do not always dispatch their parts: scalar_tensor makes a CPU tensor itself (no empty,
 # no fill_ reaching the runtime), so decomposed it left the arena on the CPU and was placed as two parts on meta
 _STAYS_WHOLE = {torch.ops.aten.scalar_tensor.default}
+# structured ops whose outputs every device lays out contiguous whatever their inputs' layout (one meta function
+# for all): a Linear's transposed weight does not make its first call learn a layout (`learns_layout`), which
+# would compute its output, often a step's largest (a language model's logits), into a temporary outside the arena
+_FRESH_CONTIGUOUS = {getattr(torch.ops.aten, n).default for n in ("mm", "addmm", "bmm", "baddbmm")}
 _PLANS: dict = {}
 _DECOMPOSES: dict = {}
 _OUT_VARIANTS: dict = {}
@@ -131,32 +139,6 @@ def plan_for(func, op, args, kwargs, device_type: str) -> OpPlan | None:
 def without_out(func, args, kwargs, device_type: str, plan: OpPlan) -> OpPlan:
     """The plan of this configuration from now on without its out= variant (it resizes its outputs on the way)."""
     p = dataclasses.replace(plan, out_op=None, out_names=(), hidden={}, checked=[], learned=[])
-    _store(func, args, kwargs, device_type, p)
-    return p
-
-
-def relaid(func, args, kwargs, device_type: str, plan: OpPlan, outs) -> OpPlan | None:
-    """The plan of this configuration from now on with the layouts its out= kernel gave `outs` (arena views made
-    with the planned layouts), when that kernel re-strided some in place within their ranges: reflection_pad2d.out
-    and max_unpool2d.out lay a channels_last input's output out channels_last, as the functional op does, where
-    meta planned it contiguous (Note [Direct placement]). None when a view changed otherwise (its size, offset, or
-    a layout that does not fill its range exactly)."""
-    specs = []
-    for o, spec in zip(outs, plan.outputs):
-        if spec is None or not spec.nbytes:
-            specs.append(spec)
-            continue
-        size, stride = tuple(o.size()), tuple(o.stride())
-        if (size != spec.size or o.storage_offset() != 0 or not keeps_layout(size, stride)
-                or span_bytes(size, stride, o.element_size()) != spec.nbytes):
-            return None
-        specs.append(OutSpec(size, stride, spec.dtype, spec.nbytes))
-    p = dataclasses.replace(plan, outputs=tuple(specs), checked=[True])
-    _store(func, args, kwargs, device_type, p)
-    return p
-
-
-def _store(func, args, kwargs, device_type: str, p: OpPlan) -> None:
     leaves, spec = ops.flatten(args, kwargs)
     key = _plan_key(func, leaves, spec, device_type)
     try:
@@ -164,14 +146,15 @@ def _store(func, args, kwargs, device_type: str, p: OpPlan) -> None:
             _PLANS[key] = p
     except TypeError:  # an unhashable argument: nothing was cached
         pass
+    return p
 
 
 def learns_layout(plan: OpPlan, device_type: str) -> bool:
     """Whether this call must run as the functional op, to learn the layout the device's kernel gives its outputs:
-    the meta kernel planned one that is not contiguous in any memory format (there the two may differ: rfftn,
-    log_softmax's backward of a transposed gradient), and no run on the device has confirmed it yet. See Note
-    [Direct placement]."""
-    return plan.out_op is not None and not plan.contiguous and not plan.learned and device_type != "meta"
+    some tensor input or planned output is not contiguous in the default format (there meta and the device may
+    lay outputs out differently), and no run on the device has confirmed the plan yet. See Note [Direct
+    placement]."""
+    return plan.out_op is not None and not plan.plain and not plan.learned and device_type != "meta"
 
 
 def same_layout(plan: OpPlan, outs) -> bool:
@@ -290,10 +273,9 @@ def _make_plan(func, op, leaves, spec, device_type) -> OpPlan | None:
     parts = (out_op is None and not aliases and not partly and not op.uninitialized
              and decomposes(func, op, device_type)
              and _parts_make_outputs(func, device_type, margs, mkwargs))
-    contiguous = all(s is None or _contiguous(torch.empty_strided(s.size, s.stride, dtype=s.dtype, device="meta"))
-                     for s in specs)
-    return OpPlan(tuple(specs), aliases, parts, out_op, names if out_op is not None else (), cost,
-                  contiguous=contiguous)
+    plain = all(s is None or _default_contiguous(s.size, s.stride) for s in specs) and (
+        func in _FRESH_CONTIGUOUS or all(not isinstance(x, torch.Tensor) or x.is_contiguous() for x in mleaves))
+    return OpPlan(tuple(specs), aliases, parts, out_op, names if out_op is not None else (), cost, plain=plain)
 
 
 def check_strided(func, outs) -> None:
@@ -303,6 +285,10 @@ def check_strided(func, outs) -> None:
             raise UnsupportedOp(func, f"it makes a tensor of layout {o.layout}, which has no byte range an arena can "
                                       f"hold; only strided (dense) tensors are placed. Run it outside the Budget's "
                                       f"block (for a sparse embedding: nn.Embedding(sparse=False) inside it)")
+
+
+def _default_contiguous(size, stride) -> bool:
+    return torch.empty_strided(size, stride, device="meta").is_contiguous()
 
 
 def _contiguous(x) -> bool:

@@ -352,7 +352,8 @@ _CHANNELS_LAST = {  # out= kernels that re-stride a contiguous `out` to the inpu
 def test_out_kernels_that_re_stride_to_channels_last_give_plain_layouts_and_bits(name, policy):
     """Meta plans these outputs contiguous; the CPU's out= kernels re-strided the arena view to channels_last and
     wrote the bytes so, which the wrapper then read as contiguous: wrong values and gradients at every budget.
-    The plan now takes the layout the kernel gave (placement.relaid), forward and backward, under eviction."""
+    Their first call now runs as the functional op and compares layouts (placement.learns_layout): forward and
+    backward give plain PyTorch's layouts and bits, also under eviction."""
     fn = _CHANNELS_LAST[name]
 
     def run(budget):
@@ -382,6 +383,54 @@ def test_out_kernels_that_re_stride_to_channels_last_give_plain_layouts_and_bits
     assert nbytes < probe.stats.peak_bytes * 4 // 5
     assert tight.stats.evictions > 0 and tight.stats.rematerializations > 0
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def _cl(*shape):
+    return torch.randn(*shape).contiguous(memory_format=torch.channels_last)
+
+
+_LAYOUTS = {  # ops whose CPU output layout differs from meta's where an input is laid out otherwise than default
+    "cross_entropy_probabilities_channels_last": (  # _log_softmax_backward_data.out wrong into a channels_last out
+        lambda x, t: torch.autograd.grad(torch.nn.functional.cross_entropy(x, t), x, create_graph=False)[0],
+        lambda: (_cl(2, 3, 4, 4).requires_grad_(),
+                 torch.randn(2, 3, 4, 4).softmax(1).contiguous(memory_format=torch.channels_last))),
+    "irfft_of_a_permuted_input": (  # _fft_c2r follows its input's permutation on the CPU, contiguous on meta
+        lambda x: torch.fft.irfft(x),
+        lambda: (torch.randn(7, 6, 5, dtype=torch.complex64).permute(2, 1, 0),)),
+    "copysign_transposed_and_0_dim": (lambda x, s: torch.copysign(x, s), lambda: (torch.randn(30, 20).t(),
+                                                                                  torch.tensor(-1.5))),
+    "floor_divide_transposed_and_0_dim": (lambda x, s: torch.div(x, s, rounding_mode="floor"),
+                                          lambda: (torch.randn(30, 20).t(), torch.tensor(-1.5))),
+    "batch_norm_no_stats_of_a_slice": (  # the same CPU out= kernel as native_batch_norm's (_OUT_NEEDS_CONTIGUOUS)
+        lambda x, w, b: torch.ops.aten._native_batch_norm_legit.no_stats(x[..., 1:-1], w, b, True, 0.1, 1e-5),
+        lambda: (torch.randn(2, 3, 9), torch.randn(3), torch.randn(3))),
+    "empty_split_past_a_slices_end": (lambda x: torch.split(x[..., 1:-1], [1, 4, 0]), lambda: (torch.randn(5, 5, 7),)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_LAYOUTS))
+def test_outputs_have_plain_pytorchs_layout_and_bits_whatever_the_inputs_layout(name):
+    """Meta's layout is not always the CPU's when an input is laid out otherwise than the default (and some out=
+    kernels compute wrong values into such an `out`): the first call of such a configuration runs as the
+    functional op and compares (placement.learns_layout). Values, strides and a later reduction's bits equal
+    plain PyTorch's, on the first call and on the next."""
+    fn, make = _LAYOUTS[name]
+    torch.manual_seed(0)
+    inputs = make()
+
+    def flat(out):
+        return [o for o in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(o, torch.Tensor)]
+
+    want = flat(fn(*inputs))
+    with coop_arena.Budget(1 << 24, device="cpu"):
+        arena = [x.detach().clone(memory_format=torch.preserve_format).requires_grad_(x.requires_grad)
+                 if x.is_floating_point() or x.is_complex() else x for x in inputs]
+        assert [x.stride() for x in arena] == [x.stride() for x in inputs]
+        for _ in range(2):
+            got = flat(fn(*arena))
+            assert [g.stride() for g in got] == [w.stride() for w in want]
+            assert all(torch.equal(g, w) for g, w in zip(got, want))
+            assert all(torch.equal(g.sum(0), w.sum(0)) for g, w in zip(got, want) if g.dim() and g.numel())
 
 
 def test_a_users_out_argument_that_the_kernel_would_resize_on_the_way_is_refused():
