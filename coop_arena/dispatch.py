@@ -65,6 +65,12 @@ _DROPOUT_STATE_MAKERS = (aten._cudnn_init_dropout_state.default,)
 _STATS_WRITES = (aten.native_batch_norm.default, aten.cudnn_batch_norm.default, aten.miopen_batch_norm.default)
 _STATS = ("running_mean", "running_var")
 
+# cuDNN's and MIOpen's RNN backward write into the forward's reserve space (cuDNN's backward-data pass mutates
+# it), which their schema does not mark either. When the reserve is in the arena, the op is a write into it as
+# well: its readers are frozen before it, the reserve is kept after it (a replay of the forward would not give
+# the bytes the write left), and the backward's outputs are kept too (their recipe read the reserve before it).
+_RESERVE_WRITES = (aten._cudnn_rnn_backward.default, aten.miopen_rnn_backward.default)
+
 
 def _named(call: _Call, name: str) -> tuple:
     """(position, value) of the op's schema argument `name` in this call (None where left at its default)."""
@@ -73,8 +79,10 @@ def _named(call: _Call, name: str) -> tuple:
 
 
 def _keeps_outputs(call: _Call) -> bool:
-    """Whether the op draws from an engine's own dropout state in training (_OWN_DROPOUT_STATE): its outputs are
-    kept."""
+    """Whether the op draws from an engine's own dropout state in training (_OWN_DROPOUT_STATE), or wrote the
+    reserve space in the arena (_RESERVE_WRITES): its outputs are kept."""
+    if call.func in _RESERVE_WRITES:
+        return bool(call.stats)
     return (call.func in _OWN_DROPOUT_STATE and bool(_named(call, "train")[1])
             and bool(_named(call, "dropout")[1]))
 
@@ -104,7 +112,7 @@ class _Call:
     def __init__(self, func, op, args, kwargs, leaves, spec):
         self.func, self.op, self.args, self.kwargs, self.leaves, self.spec = func, op, args, kwargs, leaves, spec
         self.inputs: list[Storage] = []
-        self.stats = ()  # (position, storage) of running statistics in the arena it writes (_STATS_WRITES)
+        self.stats = ()  # (position, storage) of what it writes in the arena unmarked (_STATS_WRITES, _RESERVE_WRITES)
 
 
 class Dispatch:
@@ -203,8 +211,8 @@ class Dispatch:
     # ---------------------------------------------------------------------------------------- functional
     def _run_functional(self, call: _Call, owner: dict):
         """See Note [Direct placement] in placement.py."""
-        if call.func in _STATS_WRITES:
-            call.stats = self._arena_stats(call, owner)
+        if call.func in _STATS_WRITES or call.func in _RESERVE_WRITES:
+            call.stats = self._arena_writes(call, owner)
             for _, s in call.stats:
                 self.remat.freeze_readers(s)
         host = not call.inputs and (call.func in _DROPOUT_STATE_MAKERS or self._host_index(call))
@@ -284,24 +292,29 @@ class Dispatch:
         key = (call.func, where, repr([a for a in call.plain if not isinstance(a, torch.Tensor)]))
         return externals, (_UNMARKED_WRITES, key), _UNMARKED_WRITES.get(key)
 
-    def _arena_stats(self, call: _Call, owner: dict) -> list:
-        """(position, storage) of the running statistics in this block's arena that a batch norm in training is
-        about to write (_STATS_WRITES)."""
-        if not _named(call, "training")[1]:
+    def _arena_writes(self, call: _Call, owner: dict) -> list:
+        """(position, storage) of what in this block's arena the op is about to write although its schema does not
+        say so: a batch norm's running statistics in training (_STATS_WRITES), an RNN backward's reserve space
+        (_RESERVE_WRITES)."""
+        if call.func in _RESERVE_WRITES:
+            names = ("reserve",)
+        elif _named(call, "training")[1]:
+            names = _STATS
+        else:
             return []
         out = []
-        for pos, t in (_named(call, name) for name in _STATS):
+        for pos, t in (_named(call, name) for name in names):
             s = next((owner[i] for i, x in enumerate(call.leaves) if x is t and i in owner), None)
             if s is not None:
                 out.append((pos, s))
         return out
 
     def _hidden_writes(self, call: _Call, recipe: Recipe, externals, written) -> bool:
-        """See Rule 5: writes into external tensors the schema does not mark; and running statistics in the arena
-        (_STATS_WRITES). Returns whether the outputs stay evictable."""
+        """See Rule 5: writes into external tensors the schema does not mark; and unmarked writes in the arena
+        (_STATS_WRITES, _RESERVE_WRITES). Returns whether the outputs stay evictable."""
         for pos, s in call.stats:
             self.remat.make_unevictable(s)
-            if pos < len(recipe.args):
+            if pos < len(recipe.args) and call.func not in _RESERVE_WRITES:  # (whose outputs are kept: no replay)
                 recipe.without_arg(pos)
         evictable = not call.op.effectful
         for pos, t in externals:

@@ -497,6 +497,37 @@ def test_cudnn_rnn_outputs_with_its_own_dropout_are_kept(dropout, train, evictab
     assert kept == [evictable] * 3
 
 
+def test_cudnn_rnn_backward_writes_its_reserve_so_both_are_kept():
+    """cuDNN's RNN backward writes the forward's reserve space although its schema does not say so: a replay of
+    its outputs would read the reserve as the write left it. With the reserve in the arena, the reserve and the
+    backward's outputs are kept (unevictable). Checked on meta, with a shape-only kernel for the backward."""
+    def backward_shapes(input, weight, weight_stride0, weight_buf, hx, cx, *rest):
+        return (torch.empty_like(input), torch.empty_like(hx), torch.empty_like(cx), [torch.empty_like(w) for w in weight])
+
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("_cudnn_rnn_backward", backward_shapes, "Meta")
+    try:
+        rnn, buf = _cudnn_lstm(weight_buf=True)
+        steps, batch, inp, hidden = _RNN.values()
+        with coop_arena.Budget(1 << 24, device="meta"):
+            out = rnn(0.0, True)  # (on meta its reserve is empty: one in the arena stands in for it)
+            reserve = torch.zeros(4096, dtype=torch.uint8, device="meta") + 1
+            reader = reserve * 2  # recorded as reading the reserve before the backward writes it
+            assert reserve._cell.storage.evictable and reader._cell.storage.evictable
+            x, h0, c0 = (torch.empty(steps, batch, inp, device="meta"), torch.zeros(1, batch, hidden, device="meta"),
+                         torch.zeros(1, batch, hidden, device="meta"))
+            weights = [torch.empty(4 * hidden, inp, device="meta"), torch.empty(4 * hidden, hidden, device="meta"),
+                       torch.empty(4 * hidden, device="meta"), torch.empty(4 * hidden, device="meta")]
+            grads = torch.ops.aten._cudnn_rnn_backward.default(
+                x * 2, weights, 4, buf, h0, c0, out[0], out[0] * 1, None, None, 2, hidden, 0, 1, False, 0.0, True,
+                False, [], None, reserve, [True, True, True, True])
+            kept = [g._cell.storage.evictable for g in grads[:3]] + [reserve._cell.storage.evictable,
+                                                                     reader._cell.storage.evictable]
+    finally:
+        lib._destroy()
+    assert kept == [False] * 5
+
+
 def _stats_step(budget):
     """A batch norm whose running statistics are made inside the block, and an InstanceNorm that tracks them (its
     composite kernel hands native_batch_norm a repeated copy made in the block, then averages it back)."""
