@@ -180,9 +180,11 @@ class Dispatch:
                 if isinstance(x, Tensor):
                     x._check_thread(call.func)  # another Budget's block, running on another thread
                 p = x.as_plain() if isinstance(x, Tensor) else x
-                if p.device != self.device and p.dim() > 0 and (p.is_floating_point() or p.is_complex()):
+                if (p.device != self.device and p.dim() > 0 and (p.is_floating_point() or p.is_complex())
+                        and not (call.func is aten.copy_.default and i == 1)):
                     # (integer and bool tensors on the CPU are indices, masks and lengths, which PyTorch's
-                    # kernels take with tensors on the device: `x[cpu_index]`, pack_padded_sequence's lengths)
+                    # kernels take with tensors on the device: `x[cpu_index]`, pack_padded_sequence's lengths;
+                    # and a copy into the arena may read any device: `model(x.cuda())` inside the block)
                     raise BudgetUsageError(
                         f"{call.func} got a tensor on {p.device}, but this Budget's arena is on {self.device}; "
                         f"move the model and its inputs to {self.device} before entering the Budget")

@@ -21,6 +21,7 @@ import coop_arena
 from coop_arena import arena as arena_mod
 from coop_arena.arena import Arena, resolve_device
 from coop_arena.errors import InternalError
+from coop_arena.storage import State
 from training import bitwise_equal, state, train
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -123,6 +124,21 @@ def test_cpu_indices_masks_and_lengths_are_taken_as_pytorch_takes_them():
     with pytest.raises(coop_arena.BudgetUsageError, match="move the model and its inputs to meta"):
         with coop_arena.Budget(1 << 20, device="meta"):
             torch.randn(3, 4, device="meta") @ weights
+
+
+def test_inputs_moved_to_the_arenas_device_inside_the_block():
+    """`with budget: model(x.cuda())` is a common loop: the copy into the arena reads the CPU tensor, which is
+    fine (only ops that compute on tensors of two devices are refused). Meta stands in for CUDA here; the copy
+    is an arena tensor, recorded with the CPU source, and evicted and rebuilt from it."""
+    x = torch.randn(64, 64)
+    budget = coop_arena.Budget(64 * 64 * 4 * 3, device="meta")
+    with budget:
+        moved = [x.to("meta"), x.to("meta", non_blocking=True), x.float().to(device="meta") * 2]
+        assert all(isinstance(m, coop_arena.Tensor) for m in moved)
+        fillers = [torch.ones(64, 64, device="meta") + i for i in range(3)]
+        assert moved[0]._cell.storage.state is State.EVICTED
+        (moved[0] + 1).sum()  # restored by copying from the CPU tensor again
+    assert budget.stats.rematerializations > 0 and len(fillers) == 3
 
 
 def test_which_device_arguments_are_another_device_than_a_cuda_arena(two_gpus):
