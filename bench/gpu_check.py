@@ -142,7 +142,8 @@ def build(name: str, device: str, smoke: bool):
                 with torch.device(device):
                     model = transformers.GPT2LMHeadModel(transformers.GPT2Config())
                 return model, ids, lambda m, x: m(input_ids=x, labels=x).loss, \
-                    f"transformers {transformers.__version__} GPT2LMHeadModel(GPT2Config()), batch {batch} x {seq}"
+                    f"transformers {transformers.__version__} GPT2LMHeadModel(GPT2Config()), batch {batch} x {seq} " \
+                    f"(attention: SDPA's math backend, deterministic)"
             except Exception as e:  # not installed, or built for another torch
                 size, why = dict(vocab=vocab, d=768, heads=12, layers=12, seq=1024), f"{type(e).__name__}: {e}"
         with torch.device(device):
@@ -325,7 +326,8 @@ def measure_kernels(deadline: float) -> None:
 
     n = 128 * MIB
     buf = torch.randint(0, 256, (512 * MIB,), dtype=torch.uint8, device="cuda")
-    moves = [("disjoint", 0, 256 * MIB), ("overlap_by_16MiB", 16 * MIB, 0), ("overlap_by_4KiB", 4096, 0)]
+    moves = [("disjoint", 0, 256 * MIB), ("overlap_by_16MiB", 16 * MIB, 0), ("overlap_by_64KiB", 64 << 10, 0),
+             ("overlap_by_4KiB", 4096, 0)]
     for label, src, dst in moves:
         if time.monotonic() > deadline:
             emit("kernel", name=f"arena_move {label}", status="skipped", reason="time budget ran out")
@@ -377,9 +379,21 @@ def child(part: str, seconds: float, smoke: bool) -> None:
         if part == "kernels":
             measure_kernels(deadline)
         else:
-            measure_model(part, device, deadline, smoke)
+            with _deterministic_attention(part):
+                measure_model(part, device, deadline, smoke)
     except Exception as e:
         emit("error", **error_fields(e))
+
+
+def _deterministic_attention(part: str):
+    """GPT-2's attention (float32, dropout 0.1) would take the memory-efficient SDPA kernel, whose backward splits
+    the keys and adds into the query gradient with atomics: under warn_only deterministic mode plain PyTorch does
+    not reproduce itself, so no Budget run could be compared with it. The math backend is deterministic; plain
+    and Budget runs both use it."""
+    if part != "gpt2":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.MATH])
 
 
 # ============================================================================================ the parent
@@ -441,11 +455,14 @@ def run_pytest(seconds: float, env: dict, out: Path) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
         # -u and -v: each finished test's line reaches the parent even if the run is stopped at its limit
-        cmd = [sys.executable, "-u", str(Path(__file__).resolve()), "--pytest", "-v", "-rs", "-m", "gpu", "tests"]
+        # (the kernels' default layer too: on a GPU it runs compiled, with the odd sizes and dtypes of the CPU suite)
+        cmd = [sys.executable, "-u", str(Path(__file__).resolve()), "--pytest", "-v", "-rs", "-m", "gpu or kernels",
+               "tests"]
         try:
             import pytest_benchmark  # noqa: F401
             out.mkdir(parents=True, exist_ok=True)
-            cmd += ["bench/test_kernels_bench.py", f"--benchmark-json={out / 'gpu_kernels.json'}"]
+            cmd += ["bench/test_kernels_bench.py", f"--benchmark-json={out / 'gpu_kernels.json'}",
+                    "--benchmark-max-time=0.2"]  # (rounds of a fraction of a second: the part has a time limit)
             note = None
         except ImportError:
             note = "pytest-benchmark is not installed: bench/test_kernels_bench.py was left out"
@@ -588,14 +605,19 @@ def targets(report: dict) -> list:
                     "measured": measured,
                     "verdict": "n/a" if measured is None else ("met" if measured <= limit else "missed")})
     checked = within = 0
+    over = 0
     for part in ("gpt2", "resnet50"):
         for r in _records(report, part, "run"):
             peak, bound = device_peak(r)
             if peak is not None and bound is not None:
                 checked += 1
                 within += peak <= bound
+                over = max(over, peak - bound)
+    # (library workspaces, cuDNN's convolution and cuBLAS's, come from the caching allocator without passing the
+    # dispatcher: the engine cannot count them, so a run may be over by about their size)
     out.append({"target": "device peak <= nbytes + temporary_peak (every run that finished)",
-                "measured": f"{within} of {checked} runs" if checked else None,
+                "measured": (f"{within} of {checked} runs; at most {over / 2**20:.1f} MiB over (library workspaces "
+                             f"the engine does not see are part of that)") if checked else None,
                 "verdict": "n/a" if not checked else ("met" if within == checked else "missed")})
     return out
 

@@ -16,7 +16,10 @@ Note [Overlap-safe arena_move]
     inside a tile needs the barrier.
   Limitations: the serial path uses one program (one SM), so a large move by a small distance runs at a
   fraction of the bandwidth. MIN_PARALLEL_CHUNK is a guess at the break-even point of launch overhead against
-  single-program bandwidth; bench/test_kernels_bench.py measures both sides. Copies are byte-wide.
+  single-program bandwidth, not yet measured on a GPU: with launches at about 5 us and one program at a few
+  GB/s, chunks pay off from some tens of KiB (64 KiB: a 1 GiB block slid by 64 KiB takes 16,384 launches, some
+  80 ms, where one program would take a few tenths of a second). bench/test_kernels_bench.py and the kernels
+  part of bench/gpu_check.py measure both sides. Copies are byte-wide.
 
 Note [copy_into]
   One launch: program p handles flat indices [p*BLOCK, (p+1)*BLOCK) of the (collapsed, at most 4-D) shape,
@@ -40,7 +43,7 @@ import triton.language as tl
 
 MOVE_BLOCK = 1024  # bytes per program in `_copy_bytes_kernel`
 SERIAL_BLOCK = 4096  # bytes per tile in `_move_serial_kernel`
-MIN_PARALLEL_CHUNK = 1 << 20  # overlapping moves by a smaller distance run serially; Note [Overlap-safe arena_move]
+MIN_PARALLEL_CHUNK = 64 << 10  # overlapping moves by a smaller distance run serially; Note [Overlap-safe arena_move]
 COPY_BLOCK = 1024  # elements per program in `_strided_copy_kernel`
 MAX_DIMS = 4  # dimensions `_strided_copy_kernel` indexes after collapsing
 

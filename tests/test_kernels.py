@@ -33,6 +33,7 @@ from coop_arena.kernels.copy import _move_plan, arena_move, copy_into  # noqa: E
 from coop_arena.kernels.pointwise import bias_gelu, seeded_dropout  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"  # the default layer's device
+pytestmark = pytest.mark.kernels  # bench/gpu_check.py selects "gpu or kernels"
 
 # The GPU layer: compiled kernels at GPU sizes (far too slow for the interpreter).
 _GPU_SKIP = "needs a CUDA device" if not CUDA else "TRITON_INTERPRET=1 is set: the GPU layer needs compiled kernels"
