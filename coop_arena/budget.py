@@ -163,7 +163,8 @@ class Budget:
         self._runtime: Runtime | None = None
         self._mode: _Mode | None = None
         self._module_hook = None
-        self._compile_warned = self._autocast_warned = False  # warned once per Budget
+        self._compile_warned = False  # warned once per Budget
+        self._autocast_warned = self.device.type != "meta"  # (only a dry run warns about autocast)
         self._bookkeeping: Bookkeeping | None = None
         self._stats: BudgetStats | None = None
         self._trace: list = []
@@ -321,7 +322,7 @@ def _warn_if_compiled(module, args) -> None:
     budget = getattr(_active, "budget", None)
     if budget is None:
         return
-    if not budget._autocast_warned and budget.arena.device.type == "meta" and _autocast_on():
+    if not budget._autocast_warned and _autocast_on():
         budget._autocast_warned = True
         warnings.warn(
             f"torch.autocast is on in a dry run on meta ({budget!r}), where it has no effect: meta tensors have no "

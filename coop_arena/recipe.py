@@ -236,7 +236,8 @@ def _rng(saved):
         yield
         return
     gen, state = saved
-    if _swaps(gen):  # Note [Swapping a CUDA generator's state]
+    if not isinstance(state, torch.Tensor):  # a copy of a CUDA generator's state, not get_state()'s bytes: Note
+        # [Swapping a CUDA generator's state]
         now = gen.graphsafe_get_state()
         gen.graphsafe_set_state(state.clone_state())
         try:
