@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispatch_mode,
-                                          _get_current_dispatch_mode_stack)
+                                          _get_current_dispatch_mode_stack, _pop_mode, _push_mode)
 
 from .arena import Arena, check_backend, resolve_device
 from .bookkeeping import Bookkeeping
@@ -89,8 +89,24 @@ _NO_DISPATCH = torch._C._disabled_torch_dispatch_impl  # torch.Tensor's and nn.P
 _FAKE = torch._C._TorchDispatchModeKey.FAKE
 
 
+def _leave(mode: "_Mode") -> None:
+    """Take a block's mode off this thread's dispatch mode stack. It is on top unless a mode entered inside the
+    block is still active: that one stays, the block's goes anyway (left on the stack, a finished block's mode
+    would receive every later op of the process), and the user hears of it."""
+    above = []
+    while _get_current_dispatch_mode() is not mode:
+        above.append(_pop_mode())
+    mode.__exit__(None, None, None)
+    for m in reversed(above):
+        _push_mode(m)
+    if above:
+        warnings.warn(f"a block ended while a dispatch mode entered inside it was still active ({above[-1]!r}); "
+                      f"it stays active after the block", RuntimeWarning, stacklevel=4)
+
+
 def _autocast_on() -> bool:
-    return any(torch.is_autocast_enabled(d) for d in ("cuda", "cpu", "xpu", "mps"))
+    any_on = getattr(torch._C, "_is_any_autocast_enabled", None)  # (every device type; not public)
+    return any_on() if any_on is not None else torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
 
 
 class _Mode(TorchDispatchMode):
@@ -219,10 +235,7 @@ class Budget:
         mode, hook, self._mode, self._module_hook = self._mode, self._module_hook, None, None
         try:
             if mode is not None and mode in _get_current_dispatch_mode_stack():
-                if _get_current_dispatch_mode() is not mode:  # never, unless something above leaked
-                    raise BudgetUsageError(f"{self!r} cannot leave its block: another dispatch mode entered inside "
-                                           f"it is still active ({_get_current_dispatch_mode()!r}); leave it first")
-                mode.__exit__(None, None, None)
+                _leave(mode)
         finally:
             try:
                 self._bookkeeping.close()

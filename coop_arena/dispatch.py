@@ -357,7 +357,9 @@ class Dispatch:
                     raise
                 if guard:
                     if not placement.same_layout(plan, views):  # re-strided in place: Note [Direct placement]
-                        raise _Grows
+                        plan = placement.relaid(func, call.args, call.kwargs, self.device.type, plan, views)
+                        if plan is None:
+                            raise _Grows
                     plan.checked.append(True)
             memory.may_relocate = True
             self._account(plan.cost)

@@ -49,8 +49,9 @@ Approach:
     default format, or the op is a matmul, whose output is always planned and made contiguous
     (`learns_layout`): the same layout confirms the plan; another one drops its out= variant
     (`without_out`), and the configuration keeps taking the temporary path, with the device kernel's own
-    strides. For the rest, the first call's out= run also checks that the kernel left its views as placed;
-    one that re-strided them falls back like one that resizes.
+    strides. For the rest, the first call's out= run also checks that the kernel left its views as placed; one
+    that re-strided them within their ranges has written them so, and the plan takes that layout (`relaid`)
+    rather than run the op again (a random op would draw twice); any other change falls back as a resize does.
 Limitations: ops whose output shape depends on data (nonzero, masked_select) cannot run on `meta`: they take the
   temporary path and pay their cost model's call each time. A dry run on `meta` takes the CPU's choices, so its
   statistics match a CPU run.
@@ -139,6 +140,31 @@ def plan_for(func, op, args, kwargs, device_type: str) -> OpPlan | None:
 def without_out(func, args, kwargs, device_type: str, plan: OpPlan) -> OpPlan:
     """The plan of this configuration from now on without its out= variant (it resizes its outputs on the way)."""
     p = dataclasses.replace(plan, out_op=None, out_names=(), hidden={}, checked=[], learned=[])
+    return _store(func, args, kwargs, device_type, p)
+
+
+def relaid(func, args, kwargs, device_type: str, plan: OpPlan, outs) -> OpPlan | None:
+    """The plan of this configuration from now on with the layouts its out= kernel gave `outs` (the views of a
+    first call, made with the planned layouts), when the kernel re-strided some in place within their ranges
+    and wrote them so: the outputs are wrapped with that layout, and the op is not run again (Note [Direct
+    placement]). None when a view changed otherwise (its size, its offset, or a layout that does not fill its
+    range exactly)."""
+    specs = []
+    for o, spec in zip(outs, plan.outputs):
+        if spec is None or not spec.nbytes:
+            specs.append(spec)
+            continue
+        size, stride = tuple(o.size()), tuple(o.stride())
+        if (size != spec.size or o.storage_offset() != 0 or not keeps_layout(size, stride)
+                or span_bytes(size, stride, o.element_size()) != spec.nbytes):
+            return None
+        specs.append(OutSpec(size, stride, spec.dtype, spec.nbytes))
+    p = dataclasses.replace(plan, outputs=tuple(specs), checked=[True])
+    return _store(func, args, kwargs, device_type, p)
+
+
+def _store(func, args, kwargs, device_type: str, p: OpPlan) -> OpPlan:
+    """`p` as this configuration's plan from now on."""
     leaves, spec = ops.flatten(args, kwargs)
     key = _plan_key(func, leaves, spec, device_type)
     try:

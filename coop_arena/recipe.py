@@ -239,15 +239,15 @@ def _rng(saved):
     if not isinstance(state, torch.Tensor):  # a copy of a CUDA generator's state, not get_state()'s bytes: Note
         # [Swapping a CUDA generator's state]
         now = gen.graphsafe_get_state()
-        gen.graphsafe_set_state(state.clone_state())
         try:
+            gen.graphsafe_set_state(state.clone_state())
             yield
         finally:
             gen.graphsafe_set_state(now)
         return
     now = gen.get_state()
-    gen.set_state(state)
     try:
+        gen.set_state(state)
         yield
     finally:
         gen.set_state(now)

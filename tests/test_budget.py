@@ -203,6 +203,29 @@ def test_an_interrupt_as_the_engine_enters_plain_dispatch_restores_the_thread(mo
     assert bitwise_equal(state(train("mlp")), state(model))
 
 
+def test_a_mode_left_active_inside_a_block_does_not_keep_the_blocks_mode():
+    """A dispatch mode entered inside a block and not left: the block's own mode still comes off the stack (left
+    there, a finished block's mode would receive every later op of the process), the other stays, and a
+    RuntimeWarning says so."""
+    from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+    class Other(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    budget, other = coop_arena.Budget(1 << 20, device="cpu"), Other()
+    budget.__enter__()
+    torch.ones(3) * 2
+    other.__enter__()
+    with pytest.warns(RuntimeWarning, match="still active"):
+        budget.__exit__(None, None, None)
+    assert _get_current_dispatch_mode_stack() == [other]
+    other.__exit__(None, None, None)
+    _thread_state_is_plain()
+    model = train("mlp", budget)
+    assert bitwise_equal(state(train("mlp")), state(model))
+
+
 # ----------------------------------------------------------------------------------------- escape and grads
 def test_escaping_tensors_and_grads_leave_the_arena():
     torch.manual_seed(0)

@@ -322,6 +322,37 @@ def test_an_unknown_out_variant_that_resizes_on_the_way_falls_back_on_its_first_
     assert placement.out_variant(op) is not None and plan.out_op is None
 
 
+_lib.define("noisy_cl(Tensor x) -> Tensor", tags=(torch.Tag.nondeterministic_seeded,))
+_lib.define("noisy_cl.out(Tensor x, *, Tensor(a!) out) -> Tensor(a!)", tags=(torch.Tag.nondeterministic_seeded,))
+_lib.impl("noisy_cl", lambda x: (x + torch.rand_like(x)).contiguous(memory_format=torch.channels_last), "CPU")
+_lib.impl("noisy_cl", lambda x: torch.empty_like(x), "Meta")  # (meta plans it contiguous)
+
+
+def _noisy_cl_out(x, *, out):  # draws, then re-strides `out` within its range, as reflection_pad2d.out does
+    noisy = x + torch.rand_like(x)
+    out.resize_(x.shape, memory_format=torch.channels_last)
+    return out.copy_(noisy)
+
+
+_lib.impl("noisy_cl.out", _noisy_cl_out, "CPU")
+
+
+def test_an_out_kernel_that_re_strides_its_output_is_not_run_twice():
+    """An out= kernel that re-strides its (contiguous, default-laid-out) view on the first call has written its
+    output in that layout: the plan takes it (placement.relaid) instead of running the op again, which for a
+    random op would draw twice and shift every later draw."""
+    op = torch.ops.coop_arena_grows.noisy_cl.default
+    x = torch.randn(2, 3, 4, 5)
+    torch.manual_seed(0)
+    want, want_next = op(x), torch.rand(3)
+    torch.manual_seed(0)
+    with coop_arena.Budget(1 << 20, device="cpu"):
+        got, got_next = op(x * 1), torch.rand(3)
+        assert got.stride() == want.stride() and torch.equal(got, want) and torch.equal(got_next, want_next)
+        again = op(x * 1)  # the plan keeps the layout
+        assert again.stride() == want.stride()
+
+
 def test_losses_whose_out_kernels_resize_warn_no_more_than_plain():
     import warnings
 
