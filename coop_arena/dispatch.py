@@ -195,7 +195,7 @@ class Dispatch:
 
     def _execute(self, call: _Call):
         """Run an op that writes its arguments on plain tensors; returns (outputs, output leaves, recipe)."""
-        rng = capture_rng(self.device, call.op.random, call.pkwargs)
+        rng = capture_rng(self.device, call.op.random, call.func, call.pargs, call.pkwargs)
         out = call.func(*call.pargs, **call.pkwargs)
         out_leaves = list(out) if isinstance(out, (tuple, list)) else [out]
         cost = op_cost(call.op.flops, call.pargs, call.pkwargs, call.plain, out_leaves, out)
@@ -347,7 +347,7 @@ class Dispatch:
             views = [(self._fixed_view if guard else self.arena.view)(s.offset, o.dtype, o.size, o.stride, 0)
                      if s is not None else torch.empty(o.size, dtype=o.dtype, device=self.device)
                      for s, o in zip(placed, plan.outputs)]
-            rng = capture_rng(self.device, call.op.random, call.pkwargs)
+            rng = capture_rng(self.device, call.op.random, call.func, call.pargs, call.pkwargs)
             if plan.out_op is not None:  # else uninitialized memory (the empty family): nothing to write
                 try:
                     plan.out_op(*call.pargs, **call.pkwargs, **dict(zip(plan.out_names, views)))
@@ -417,7 +417,7 @@ class Dispatch:
         probe = None
         if written is None:
             probe = [(pos, t, t._version, t.clone()) for pos, t in externals]
-        rng = capture_rng(self.device, call.op.random, call.pkwargs)
+        rng = capture_rng(self.device, call.op.random, call.func, call.pargs, call.pkwargs)
         out = func(*call.pargs, **call.pkwargs)
         out_leaves = list(out) if isinstance(out, (tuple, list)) else [out]
         placement.check_strided(func, out_leaves)

@@ -290,6 +290,30 @@ def test_random_ops_recompute_the_same_bits(make):
     assert torch.equal(r.as_plain(), expected)
 
 
+@pytest.mark.parametrize("draw", [torch.poisson, torch._standard_gamma], ids=["poisson", "standard_gamma"])
+def test_a_generator_passed_positionally_is_the_one_a_replay_restores(draw):
+    """poisson and _standard_gamma take their generator as a positional argument of the aten op: a recipe saved
+    the default generator's state instead, so a replay drew new numbers from the user's generator (and moved it
+    on). The generator is now found by its schema name."""
+    rates = torch.rand(4096) * 4
+
+    def run(budget):
+        g = torch.Generator().manual_seed(3)
+        with budget if budget is not None else torch.enable_grad():
+            r = draw(rates * 1, generator=g)
+            if budget is not None:
+                fillers = [torch.ones(4096) * i for i in range(6)]  # push r out
+                assert r._cell.storage.state is State.EVICTED and len(fillers) == 6
+            got = (r + 0).clone()  # recomputed
+        return got, g.get_state()
+
+    want, want_state = run(None)
+    budget = coop_arena.Budget(48 << 10, device="cpu")
+    got, state_after = run(budget)
+    assert budget.stats.rematerializations >= 1
+    assert torch.equal(got, want) and torch.equal(state_after, want_state)
+
+
 class CudaLikeGenerator:
     """The CPU mirror of a CUDA generator for Note [Swapping a CUDA generator's state]: its state is an object it
     points to (shared by graphsafe_get_state, copied by clone_state), and set_state, like CUDAGeneratorImpl's,
@@ -323,7 +347,7 @@ def test_replaying_a_random_op_on_cuda_re_arms_nothing():
     from coop_arena.recipe import _rng, capture_rng
 
     gen = CudaLikeGenerator([1234, 8])
-    saved = capture_rng(torch.device("cuda", 0), True, {"generator": gen})
+    saved = capture_rng(torch.device("cuda", 0), True, None, (), {"generator": gen})
     gen.draw()  # the op itself, then later ops
     gen.draw()
     for _ in range(2):  # each replay starts from the captured state, and leaves the generator where it was
@@ -333,7 +357,7 @@ def test_replaying_a_random_op_on_cuda_re_arms_nothing():
         assert gen.state == [1234, 16]
     assert not gen.rearmed, "a replay called set_state: cuDNN would re-seed the next RNN's dropout"
     cpu = torch.Generator().manual_seed(3)  # the CPU generator has no state to swap: get_state / set_state
-    saved = capture_rng(torch.device("cpu"), True, {"generator": cpu})
+    saved = capture_rng(torch.device("cpu"), True, None, (), {"generator": cpu})
     expected = torch.rand(4, generator=cpu)
     with _rng(saved):
         assert torch.equal(torch.rand(4, generator=cpu), expected)
