@@ -87,6 +87,36 @@ def _keeps_outputs(call: _Call) -> bool:
             and bool(_named(call, "dropout")[1]))
 
 
+# Note [Custom ops that draw]
+# A custom op (torch.library) that draws random numbers inside its kernel should carry the nondeterministic_seeded
+# tag, as PyTorch's random ops do; its draws are otherwise invisible to the runtime, and a rebuild would draw new
+# numbers. The first call of an untagged custom op therefore also captures its generator's state and compares
+# it afterwards: if the op drew, it is random from then on (its recipe keeps the state it ran with, and later
+# calls capture it as for a tagged op). Only the device's default generator (or a `generator` argument) is seen.
+_PROBED_CUSTOM: set = set()
+
+
+def _probes_random(call: _Call) -> bool:
+    return not call.op.random and call.func.namespace not in _ATEN_LIKE and call.func not in _PROBED_CUSTOM
+
+
+def _drew(call: _Call, rng) -> object:
+    """After the first call of an untagged custom op (`_probes_random`): `rng` when it drew random numbers (it is
+    random from then on), else None."""
+    _PROBED_CUSTOM.add(call.func)
+    if rng is None:
+        return None
+    gen, state = rng
+    before = state if isinstance(state, torch.Tensor) else state.get_state()
+    if torch.equal(gen.get_state(), before):
+        return None
+    ops.mark_random(call.func)
+    return rng
+
+
+_ATEN_LIKE = frozenset({"aten", "prims", "c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor"})
+
+
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether `a` and its clone `b` hold the same bytes (torch.equal finds a NaN unequal to itself)."""
     def raw(t):  # (a fresh contiguous copy: contiguous() keeps a one-element tensor's stride, which may not be 1)
@@ -195,8 +225,11 @@ class Dispatch:
 
     def _execute(self, call: _Call):
         """Run an op that writes its arguments on plain tensors; returns (outputs, output leaves, recipe)."""
-        rng = capture_rng(self.device, call.op.random, call.func, call.pargs, call.pkwargs)
+        probes = _probes_random(call)  # Note [Custom ops that draw]
+        rng = capture_rng(self.device, call.op.random or probes, call.func, call.pargs, call.pkwargs)
         out = call.func(*call.pargs, **call.pkwargs)
+        if probes:
+            rng = _drew(call, rng)
         out_leaves = list(out) if isinstance(out, (tuple, list)) else [out]
         cost = op_cost(call.op.flops, call.pargs, call.pkwargs, call.plain, out_leaves, out)
         self._account(cost)
@@ -347,7 +380,8 @@ class Dispatch:
             views = [(self._fixed_view if guard else self.arena.view)(s.offset, o.dtype, o.size, o.stride, 0)
                      if s is not None else torch.empty(o.size, dtype=o.dtype, device=self.device)
                      for s, o in zip(placed, plan.outputs)]
-            rng = capture_rng(self.device, call.op.random, call.func, call.pargs, call.pkwargs)
+            probes = _probes_random(call)  # Note [Custom ops that draw]
+            rng = capture_rng(self.device, call.op.random or probes, call.func, call.pargs, call.pkwargs)
             if plan.out_op is not None:  # else uninitialized memory (the empty family): nothing to write
                 try:
                     plan.out_op(*call.pargs, **call.pkwargs, **dict(zip(plan.out_names, views)))
@@ -361,6 +395,8 @@ class Dispatch:
                         if plan is None:
                             raise _Grows
                     plan.checked.append(True)
+            if probes:
+                rng = _drew(call, rng)
             memory.may_relocate = True
             self._account(plan.cost)
             if probe is not None:
@@ -417,8 +453,11 @@ class Dispatch:
         probe = None
         if written is None:
             probe = [(pos, t, t._version, t.clone()) for pos, t in externals]
-        rng = capture_rng(self.device, call.op.random, call.func, call.pargs, call.pkwargs)
+        probes = _probes_random(call)  # Note [Custom ops that draw]
+        rng = capture_rng(self.device, call.op.random or probes, call.func, call.pargs, call.pkwargs)
         out = func(*call.pargs, **call.pkwargs)
+        if probes:
+            rng = _drew(call, rng)
         out_leaves = list(out) if isinstance(out, (tuple, list)) else [out]
         placement.check_strided(func, out_leaves)
         cost = plan.cost if plan is not None else op_cost(call.op.flops, call.pargs, call.pkwargs, call.plain,

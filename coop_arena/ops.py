@@ -6,6 +6,8 @@ list of leaves plus the shape of the top level is enough, and much cheaper than 
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +62,12 @@ def info(func) -> OpInfo:
             flops=flop_registry.get(func.overloadpacket),
             name=str(func))
     return i
+
+
+def mark_random(func) -> None:
+    """`func` turned out to draw random numbers although it is not tagged so (dispatch.py, Note [Custom ops that
+    draw])."""
+    _CACHE[func] = dataclasses.replace(info(func), random=True)
 
 
 def arg(args, kwargs, pos: int, name: str, kwarg_only: bool):

@@ -375,6 +375,35 @@ def _(x, scale):
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("coop_arena_test::untagged_dropout", mutates_args=())
+def untagged_dropout(x: torch.Tensor) -> torch.Tensor:
+    return x * (torch.rand_like(x) > 0.3)  # draws, but the op is not tagged nondeterministic_seeded
+
+
+@untagged_dropout.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_a_custom_op_that_draws_without_its_tag_is_found_random_on_its_first_call():
+    """Its draws run below the Budget: recorded as deterministic, a rebuild drew new numbers. Its first call now
+    compares the generator's state around it (Note [Custom ops that draw] in dispatch.py)."""
+    from coop_arena import ops
+    op = torch.ops.coop_arena_test.untagged_dropout.default
+    torch.manual_seed(7)
+    expected = [untagged_dropout(torch.full((4096,), float(i))) for i in range(3)]
+    torch.manual_seed(7)
+    budget = coop_arena.Budget(48 << 10, device="cpu")  # three 16 KiB tensors
+    with budget:
+        got = [untagged_dropout(torch.full((4096,), float(i)) * 1) for i in range(3)]
+        fillers = [torch.ones(4096) * i for i in range(6)]  # push them out
+        assert got[0]._cell.storage.state is State.EVICTED and len(fillers) == 6
+        again = [g.as_plain().clone() for g in got]  # rebuilt from their recipes
+    assert budget.stats.rematerializations >= 1
+    assert all(torch.equal(a, e) for a, e in zip(again, expected))
+    assert ops.info(op).random
+
+
 def test_custom_op_is_recorded_and_recomputed():
     x = torch.randn(4096)
     budget = coop_arena.Budget(48 << 10, device="cpu")
