@@ -46,12 +46,13 @@ Approach:
     `out`. Placing an output with other strides than plain PyTorch gives it changes the order of later
     reductions, so their bits. So the first call of a configuration on the device runs as the functional op
     (the temporary path) and compares, unless every tensor input and planned output is contiguous in the
-    default format, or the op is a matmul, whose output is always planned and made contiguous
-    (`learns_layout`): the same layout confirms the plan; another one drops its out= variant
-    (`without_out`), and the configuration keeps taking the temporary path, with the device kernel's own
-    strides. For the rest, the first call's out= run also checks that the kernel left its views as placed; one
-    that re-strided them within their ranges has written them so, and the plan takes that layout (`relaid`)
-    rather than run the op again (a random op would draw twice); any other change falls back as a resize does.
+    default format, or the op is a matmul, whose output is always planned and made contiguous; ops whose meta
+    kernel differs even then always learn (`_META_DIFFERS`; `learns_layout`). The same layout confirms the
+    plan; another one drops its out= variant (`without_out`), and the configuration keeps taking the
+    temporary path, with the device kernel's own strides. For the rest, the first call's out= run also checks
+    that the kernel left its views as placed; one that re-strided them within their ranges has written them so,
+    and the plan takes that layout (`relaid`) rather than run the op again (a random op would draw twice); any
+    other change falls back as a resize does.
 Limitations: ops whose output shape depends on data (nonzero, masked_select) cannot run on `meta`: they take the
   temporary path and pay their cost model's call each time. A dry run on `meta` takes the CPU's choices, so its
   statistics match a CPU run.
@@ -115,6 +116,10 @@ _STAYS_WHOLE = {torch.ops.aten.scalar_tensor.default}
 # for all): a Linear's transposed weight does not make its first call learn a layout (`learns_layout`), which
 # would compute its output, often a step's largest (a language model's logits), into a temporary outside the arena
 _FRESH_CONTIGUOUS = {getattr(torch.ops.aten, n).default for n in ("mm", "addmm", "bmm", "baddbmm")}
+# ops whose meta kernel plans other outputs than the CPU's even for default layouts (`learns_layout`): native
+# batch norm in eval mode (saved statistics of shape (C,) on meta, (0,) and never written on the CPU) and
+# _linalg_svd of an empty matrix (Vh's strides)
+_META_DIFFERS = {torch.ops.aten.native_batch_norm.default, torch.ops.aten._linalg_svd.default}
 _PLANS: dict = {}
 _DECOMPOSES: dict = {}
 _OUT_VARIANTS: dict = {}
@@ -299,8 +304,9 @@ def _make_plan(func, op, leaves, spec, device_type) -> OpPlan | None:
     parts = (out_op is None and not aliases and not partly and not op.uninitialized
              and decomposes(func, op, device_type)
              and _parts_make_outputs(func, device_type, margs, mkwargs))
-    plain = all(s is None or _default_contiguous(s.size, s.stride) for s in specs) and (
-        func in _FRESH_CONTIGUOUS or all(not isinstance(x, torch.Tensor) or x.is_contiguous() for x in mleaves))
+    plain = (func not in _META_DIFFERS and all(s is None or _default_contiguous(s.size, s.stride) for s in specs)
+             and (func in _FRESH_CONTIGUOUS or all(not isinstance(x, torch.Tensor) or x.is_contiguous()
+                                                   for x in mleaves)))
     return OpPlan(tuple(specs), aliases, parts, out_op, names if out_op is not None else (), cost, plain=plain)
 
 

@@ -435,6 +435,10 @@ _LAYOUTS = {  # ops whose CPU output layout differs from meta's where an input i
     "batch_norm_no_stats_of_a_slice": (  # the same CPU out= kernel as native_batch_norm's (_OUT_NEEDS_CONTIGUOUS)
         lambda x, w, b: torch.ops.aten._native_batch_norm_legit.no_stats(x[..., 1:-1], w, b, True, 0.1, 1e-5),
         lambda: (torch.randn(2, 3, 9), torch.randn(3), torch.randn(3))),
+    "batch_norm_eval_saved_statistics": (  # (C,) on meta, (0,) on the CPU: _META_DIFFERS
+        lambda x, w, b, rm, rv: torch.ops.aten.native_batch_norm(x, w, b, rm, rv, False, 0.1, 1e-5),
+        lambda: (torch.randn(2, 3, 4), torch.randn(3), torch.randn(3), torch.zeros(3), torch.ones(3))),
+    "svd_of_an_empty_matrix": (lambda x: torch.linalg.svd(x, full_matrices=True), lambda: (torch.randn(0, 3),)),
     "empty_split_past_a_slices_end": (lambda x: torch.split(x[..., 1:-1], [1, 4, 0]), lambda: (torch.randn(5, 5, 7),)),
 }
 
