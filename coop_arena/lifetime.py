@@ -270,6 +270,8 @@ class Lifetime:
             s.payload.runtime = None
         for s in live + list(self.written.values()):
             s.payload.drop_recipe()
+            s.inputs, s.consumers = [], []  # nothing is replayed after the block: an escaped tensor held for good
+            # (a logged loss) must not keep every record it came from, and the step's inputs, alive with it
         self.written = {}
         for h in list(self._hooks.values()):
             h.remove()

@@ -226,6 +226,30 @@ def test_a_mode_left_active_inside_a_block_does_not_keep_the_blocks_mode():
     assert bitwise_equal(state(train("mlp")), state(model))
 
 
+def test_a_loss_kept_after_its_block_does_not_keep_its_step_alive():
+    """Logging the loss tensor of every step: each kept loss held, through its record's inputs and their recipes,
+    every record of its step and the step's input batch (555 kB per kept loss against plain PyTorch's 72 kB on an
+    8-layer MLP). After the block nothing is replayed, so a kept tensor keeps its own bytes only."""
+    from coop_arena.storage import Storage
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
+    budget = coop_arena.Budget(1 << 22, device="cpu")
+    history, batches = [], []
+    for _ in range(5):
+        x = torch.randn(32, 64)
+        batches.append(weakref.ref(x))
+        with budget:
+            loss = torch.tanh(model(x)).sum()
+            loss.backward()
+        history.append(loss)
+        del x, loss
+        model.zero_grad(set_to_none=True)
+    gc.collect()
+    assert [b() is None for b in batches] == [True] * 5
+    assert sum(type(o) is Storage for o in gc.get_objects()) <= len(history)
+    assert all(torch.isfinite(h.as_plain()) for h in history)
+
+
 # ----------------------------------------------------------------------------------------- escape and grads
 def test_escaping_tensors_and_grads_leave_the_arena():
     torch.manual_seed(0)
