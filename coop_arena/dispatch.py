@@ -325,6 +325,8 @@ class Dispatch:
         if plan is not None:  # one configuration: the plan's own table
             return externals, (plan.hidden, where), plan.hidden.get(where)
         key = (call.func, where, repr([a for a in call.plain if not isinstance(a, torch.Tensor)]))
+        if len(_UNMARKED_WRITES) >= placement._PLANS_MAX:  # bounded like the plan cache (a scalar changing each step)
+            _UNMARKED_WRITES.clear()
         return externals, (_UNMARKED_WRITES, key), _UNMARKED_WRITES.get(key)
 
     def _arena_writes(self, call: _Call, owner: dict) -> list:

@@ -121,6 +121,8 @@ _FRESH_CONTIGUOUS = {getattr(torch.ops.aten, n).default for n in ("mm", "addmm",
 # _linalg_svd of an empty matrix (Vh's strides)
 _META_DIFFERS = {torch.ops.aten.native_batch_norm.default, torch.ops.aten._linalg_svd.default}
 _PLANS: dict = {}
+_PLANS_MAX = 1 << 14  # configurations kept; the cache starts over when full (shapes or scalars that change every
+                      # step would otherwise grow it without end)
 _DECOMPOSES: dict = {}
 _OUT_VARIANTS: dict = {}
 _WRITES_IN_PLACE: dict = {}
@@ -138,6 +140,8 @@ def plan_for(func, op, args, kwargs, device_type: str) -> OpPlan | None:
         pass
     except TypeError:  # an unhashable argument: no cache for this call
         return _make_plan(func, op, leaves, spec, device_type)
+    if len(_PLANS) >= _PLANS_MAX:
+        _PLANS.clear()
     p = _PLANS[key] = _make_plan(func, op, leaves, spec, device_type)
     return p
 

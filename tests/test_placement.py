@@ -226,3 +226,15 @@ def test_linalg_qr_is_exact_in_later_blocks():
                 del h
                 q, r = torch.linalg.qr(a * 1)
             assert torch.equal(want[0], q) and torch.equal(want[1], r), shape
+
+
+def test_the_plan_cache_is_bounded(monkeypatch):
+    """A scalar that changes every step (an annealing weight) or shapes that do make a new configuration each
+    time: the cache of plans starts over when full instead of growing without end."""
+    from coop_arena import placement
+    monkeypatch.setattr(placement, "_PLANS_MAX", 64)
+    x = torch.randn(8, 8)
+    with coop_arena.Budget(1 << 20, device="cpu"):
+        for i in range(200):
+            y = x * (1.0 / (i + 1)) + i
+    assert len(placement._PLANS) <= 64 and torch.equal(y.as_plain(), x * (1.0 / 200) + 199)
