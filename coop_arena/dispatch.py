@@ -93,28 +93,15 @@ def _keeps_outputs(call: _Call) -> bool:
 # numbers. The first call of an untagged custom op therefore also captures its generator's state and compares
 # it afterwards: if the op drew, it is random from then on (its recipe keeps the state it ran with, and later
 # calls capture it as for a tagged op). Only the device's default generator (or a `generator` argument) is seen.
-_PROBED_CUSTOM: set = set()
-
-
-def _probes_random(call: _Call) -> bool:
-    return not call.op.random and call.func.namespace not in _ATEN_LIKE and call.func not in _PROBED_CUSTOM
-
-
+# Until then its OpInfo says random=None (ops.py).
 def _drew(call: _Call, rng) -> object:
-    """After the first call of an untagged custom op (`_probes_random`): `rng` when it drew random numbers (it is
-    random from then on), else None."""
-    _PROBED_CUSTOM.add(call.func)
+    """After the first call of an untagged custom op (`call.op.random is None`): `rng` when it drew random
+    numbers (it is random from then on), else None. On meta there is no generator to watch: nothing is settled."""
     if rng is None:
         return None
-    gen, state = rng
-    before = state if isinstance(state, torch.Tensor) else state.get_state()
-    if torch.equal(gen.get_state(), before):
-        return None
-    ops.mark_random(call.func)
-    return rng
-
-
-_ATEN_LIKE = frozenset({"aten", "prims", "c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor"})
+    drew = not torch.equal(rng[0].get_state(), rng[1] if isinstance(rng[1], torch.Tensor) else rng[1].get_state())
+    ops.settle_random(call.func, drew)
+    return rng if drew else None
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -225,10 +212,9 @@ class Dispatch:
 
     def _execute(self, call: _Call):
         """Run an op that writes its arguments on plain tensors; returns (outputs, output leaves, recipe)."""
-        probes = _probes_random(call)  # Note [Custom ops that draw]
-        rng = capture_rng(self.device, call.op.random or probes, call.func, call.pargs, call.pkwargs)
+        rng = capture_rng(self.device, call.op, call.pargs, call.pkwargs)
         out = call.func(*call.pargs, **call.pkwargs)
-        if probes:
+        if call.op.random is None:  # Note [Custom ops that draw]
             rng = _drew(call, rng)
         out_leaves = list(out) if isinstance(out, (tuple, list)) else [out]
         cost = op_cost(call.op.flops, call.pargs, call.pkwargs, call.plain, out_leaves, out)
@@ -382,8 +368,7 @@ class Dispatch:
             views = [(self._fixed_view if guard else self.arena.view)(s.offset, o.dtype, o.size, o.stride, 0)
                      if s is not None else torch.empty(o.size, dtype=o.dtype, device=self.device)
                      for s, o in zip(placed, plan.outputs)]
-            probes = _probes_random(call)  # Note [Custom ops that draw]
-            rng = capture_rng(self.device, call.op.random or probes, call.func, call.pargs, call.pkwargs)
+            rng = capture_rng(self.device, call.op, call.pargs, call.pkwargs)
             if plan.out_op is not None:  # else uninitialized memory (the empty family): nothing to write
                 try:
                     plan.out_op(*call.pargs, **call.pkwargs, **dict(zip(plan.out_names, views)))
@@ -397,7 +382,7 @@ class Dispatch:
                         if plan is None:
                             raise _Grows
                     plan.checked.append(True)
-            if probes:
+            if call.op.random is None:  # Note [Custom ops that draw]
                 rng = _drew(call, rng)
             memory.may_relocate = True
             self._account(plan.cost)
@@ -455,10 +440,9 @@ class Dispatch:
         probe = None
         if written is None:
             probe = [(pos, t, t._version, t.clone()) for pos, t in externals]
-        probes = _probes_random(call)  # Note [Custom ops that draw]
-        rng = capture_rng(self.device, call.op.random or probes, call.func, call.pargs, call.pkwargs)
+        rng = capture_rng(self.device, call.op, call.pargs, call.pkwargs)
         out = func(*call.pargs, **call.pkwargs)
-        if probes:
+        if call.op.random is None:  # Note [Custom ops that draw]
             rng = _drew(call, rng)
         out_leaves = list(out) if isinstance(out, (tuple, list)) else [out]
         placement.check_strided(func, out_leaves)

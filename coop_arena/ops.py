@@ -19,6 +19,8 @@ aten = torch.ops.aten
 _UNINITIALIZED = {aten.empty_like, aten.empty, aten.new_empty, aten.new_empty_strided, aten.empty_strided}
 # Namespaces of ops with effects outside their outputs (collectives): outputs unevictable (Rule 5).
 _EFFECTFUL_NAMESPACES = {"_c10d_functional", "c10d", "c10d_functional", "_dtensor"}
+# Namespaces of PyTorch's own ops, whose random ones are all tagged nondeterministic_seeded.
+_TORCH_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional_autograd", *_EFFECTFUL_NAMESPACES})
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,12 +28,14 @@ class OpInfo:
     inplace_view: bool      # changes a tensor's metadata in place (unsqueeze_, as_strided_)
     written: tuple          # (position, name, kwarg_only, alias sets) of arguments the schema marks written
     returns_alias: bool     # some output aliases an input (a view, or a written argument)
-    random: bool            # draws from a generator (Rule 4)
+    random: bool | None     # draws from a generator (Rule 4); None: an untagged custom op not yet seen to draw
+                            # or not (dispatch.py, Note [Custom ops that draw])
     uninitialized: bool     # output is uninitialized memory
     effectful: bool         # effects outside its outputs (Rule 5)
     tensor_args: tuple      # (position, name, optional) of arguments typed Tensor or Tensor?
     flops: object           # torch.utils.flop_counter formula, or None
     name: str               # str(func), for messages (computed once)
+    generator: tuple | None = None  # (position, kwarg_only) of its `generator` argument (positional in poisson)
 
 
 _CACHE: dict = {}
@@ -41,8 +45,10 @@ def info(func) -> OpInfo:
     i = _CACHE.get(func)
     if i is None:
         schema = func._schema
-        written, tensor_args = [], []
+        written, tensor_args, generator = [], [], None
         for pos, a in enumerate(schema.arguments):
+            if a.name == "generator":
+                generator = (pos, a.kwarg_only)
             if a.alias_info is not None and a.alias_info.is_write:
                 written.append((pos, a.name, a.kwarg_only, tuple(a.alias_info.before_set)))
             t = a.type
@@ -55,19 +61,21 @@ def info(func) -> OpInfo:
             inplace_view=torch.Tag.inplace_view in func.tags,
             written=tuple(written),
             returns_alias=any(r.alias_info is not None for r in schema.returns),
-            random=torch.Tag.nondeterministic_seeded in func.tags,
+            random=(True if torch.Tag.nondeterministic_seeded in func.tags
+                    else False if func.namespace in _TORCH_NAMESPACES else None),
             uninitialized=func.overloadpacket in _UNINITIALIZED,
             effectful=func.namespace in _EFFECTFUL_NAMESPACES,
             tensor_args=tuple(tensor_args),
             flops=flop_registry.get(func.overloadpacket),
-            name=str(func))
+            name=str(func),
+            generator=generator)
     return i
 
 
-def mark_random(func) -> None:
-    """`func` turned out to draw random numbers although it is not tagged so (dispatch.py, Note [Custom ops that
+def settle_random(func, drew: bool) -> None:
+    """Whether untagged custom op `func` drew random numbers on its first call (dispatch.py, Note [Custom ops that
     draw])."""
-    _CACHE[func] = dataclasses.replace(info(func), random=True)
+    _CACHE[func] = dataclasses.replace(info(func), random=drew)
 
 
 def arg(args, kwargs, pos: int, name: str, kwarg_only: bool):

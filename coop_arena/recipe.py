@@ -135,21 +135,10 @@ def dead_ref():
     return None
 
 
-_GENERATOR_AT: dict = {}  # op -> position of its positional `generator` argument, or None
-
-
-def generator_for(device: torch.device, func, args, kwargs: dict):
+def generator_for(device: torch.device, op: ops.OpInfo, args, kwargs: dict):
     """The generator a random op draws from: its `generator` argument (a keyword, or positional as in poisson
     and _standard_gamma), else the device's default one."""
-    g = kwargs.get("generator")
-    if g is None and func is not None:
-        try:
-            pos = _GENERATOR_AT[func]
-        except KeyError:
-            pos = _GENERATOR_AT[func] = next((i for i, a in enumerate(func._schema.arguments)
-                                              if a.name == "generator" and not a.kwarg_only), None)
-        if pos is not None and pos < len(args):
-            g = args[pos]
+    g = None if op.generator is None else ops.arg(args, kwargs, op.generator[0], "generator", op.generator[1])
     if g is not None:
         return g
     if device.type == "cpu":
@@ -172,11 +161,12 @@ def _swaps(gen) -> bool:
     return gen.device.type == "cuda" and hasattr(gen, "graphsafe_set_state")  # (torch >= 2.4 has it)
 
 
-def capture_rng(device: torch.device, random: bool, func, args, kwargs: dict):
-    """(generator, state) before a random op `func` runs on `args`, `kwargs` (Rule 4), else None."""
-    if not random:
+def capture_rng(device: torch.device, op: ops.OpInfo, args, kwargs: dict):
+    """(generator, state) before op `op` runs on `args`, `kwargs` if it is random, or may be (an untagged custom
+    op's first call) (Rule 4), else None."""
+    if op.random is False:
         return None
-    gen = generator_for(device, func, args, kwargs)
+    gen = generator_for(device, op, args, kwargs)
     if gen is None:
         return None
     return gen, (gen.clone_state() if _swaps(gen) else gen.get_state())

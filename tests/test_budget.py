@@ -369,9 +369,10 @@ class CudaLikeGenerator:
 
 def test_replaying_a_random_op_on_cuda_re_arms_nothing():
     from coop_arena.recipe import _rng, capture_rng
+    bernoulli = coop_arena.ops.info(torch.ops.aten.bernoulli.default)  # a random op with a `generator` argument
 
     gen = CudaLikeGenerator([1234, 8])
-    saved = capture_rng(torch.device("cuda", 0), True, None, (), {"generator": gen})
+    saved = capture_rng(torch.device("cuda", 0), bernoulli, (), {"generator": gen})
     gen.draw()  # the op itself, then later ops
     gen.draw()
     for _ in range(2):  # each replay starts from the captured state, and leaves the generator where it was
@@ -381,7 +382,7 @@ def test_replaying_a_random_op_on_cuda_re_arms_nothing():
         assert gen.state == [1234, 16]
     assert not gen.rearmed, "a replay called set_state: cuDNN would re-seed the next RNN's dropout"
     cpu = torch.Generator().manual_seed(3)  # the CPU generator has no state to swap: get_state / set_state
-    saved = capture_rng(torch.device("cpu"), True, None, (), {"generator": cpu})
+    saved = capture_rng(torch.device("cpu"), bernoulli, (), {"generator": cpu})
     expected = torch.rand(4, generator=cpu)
     with _rng(saved):
         assert torch.equal(torch.rand(4, generator=cpu), expected)
