@@ -1,7 +1,7 @@
-"""Host time per aten op: plain eager, an empty dispatch mode, and a Budget with ample memory and at 60 % and 50 %
-of the plain peak, on tiny tensors so that the op's own work is negligible. Side by side in one run; the timer is
-the process's CPU time (`--benchmark-timer time.process_time`, these machines are shared) and the statistic the
-minimum over rounds.
+"""Host time per aten op: plain eager, an empty dispatch mode, a mode that only unwraps and wraps (`wrap_only`: the
+floor of handing out wrapper tensors), and a Budget with ample memory and at 60 % and 50 % of the plain peak, on
+tiny tensors so that the op's own work is negligible. Side by side in one run; the timer is the process's CPU time
+(`--benchmark-timer time.process_time`, these machines are shared) and the statistic the minimum over rounds.
 
     .venv/bin/python -m pytest bench/test_host_overhead.py --benchmark-only --benchmark-timer time.process_time \
         --benchmark-json bench/results/host_overhead.json
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 
 import pytest
 import torch
@@ -32,6 +33,63 @@ class EmptyMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
+
+
+class _Wrapped(torch.Tensor):
+    """A wrapper subclass over a plain tensor, as small as one can be: what WrapOnly hands out."""
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, plain):
+        t = torch.Tensor._make_wrapper_subclass(cls, plain.size(), strides=plain.stride(),
+                                                storage_offset=plain.storage_offset(), dtype=plain.dtype,
+                                                device=plain.device, requires_grad=False)
+        t.plain = plain
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # outside the mode: on the plain tensors
+        un = lambda x: x.plain if isinstance(x, _Wrapped) else x
+        return func(*[un(a) for a in args], **{k: un(v) for k, v in (kwargs or {}).items()})
+
+
+class WrapOnly(TorchDispatchMode):
+    """The floor of any design that hands out wrapper tensors (as coop_arena does, so that a tensor can be evicted
+    while autograd holds it): unwrap the inputs, run the op, wrap each new output with a weak reference that
+    counts its death. No arena, no records. Arguments nest one level deep at most in aten schemas."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs, self.dead = set(), 0
+
+    def _died(self, ref):
+        self.refs.discard(ref)
+        self.dead += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        back = {}
+
+        def un(x):
+            if isinstance(x, _Wrapped):
+                back[id(x.plain)] = x
+                return x.plain
+            if type(x) in (list, tuple):
+                return type(x)(un(v) for v in x)
+            return x
+
+        out = func(*[un(a) for a in args], **{k: un(v) for k, v in (kwargs or {}).items()})
+
+        def wrap(x):
+            if isinstance(x, torch.Tensor):
+                w = back.get(id(x))  # an in-place op or out= returns its argument: the same wrapper
+                if w is None:
+                    w = _Wrapped(x)
+                    self.refs.add(weakref.ref(w, self._died))
+                return w
+            if type(x) in (list, tuple):
+                return type(x)(wrap(v) for v in x)
+            return x
+        return wrap(out)
 
 
 class Counter(TorchDispatchMode):
@@ -101,7 +159,7 @@ def _workload(name):
     return run, counter.n, probe.stats.peak_bytes
 
 
-CONFIGS = ["eager", "empty_mode", "ample-first", "ample-later", "0.6-first", "0.6-later", "0.5-first", "0.5-later"]
+CONFIGS = ["eager", "empty_mode", "wrap_only", "ample-first", "ample-later", "0.6-first", "0.6-later", "0.5-first", "0.5-later"]
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -113,8 +171,9 @@ def test_host_time_per_op(benchmark, name, config):
     if config == "eager":
         benchmark.pedantic(run, args=(contextlib.nullcontext(),), rounds=5, warmup_rounds=1)
         return
-    if config == "empty_mode":
-        benchmark.pedantic(lambda: run(EmptyMode()), rounds=5, warmup_rounds=1)
+    if config in ("empty_mode", "wrap_only"):
+        mode = EmptyMode if config == "empty_mode" else WrapOnly
+        benchmark.pedantic(lambda: run(mode()), rounds=5, warmup_rounds=1)
         return
     ratio, when = config.split("-")
     if name == "add_chain_2000" and ratio != "ample":
