@@ -446,6 +446,8 @@ class Dispatch:
             rng = _drew(call, rng)
         out_leaves = list(out) if isinstance(out, (tuple, list)) else [out]
         placement.check_strided(func, out_leaves)
+        if plan is not None and self.device.type == "meta" and not plan.aliases:
+            out_leaves = [placement.as_planned(o, spec) for o, spec in zip(out_leaves, plan.outputs)]
         cost = plan.cost if plan is not None else op_cost(call.op.flops, call.pargs, call.pkwargs, call.plain,
                                                           out_leaves, out)
         self._account(cost)

@@ -53,9 +53,14 @@ Approach:
     that the kernel left its views as placed; one that re-strided them within their ranges has written them so,
     and the plan takes that layout (`relaid`) rather than run the op again (a random op would draw twice); any
     other change falls back as a resize does.
+  - A dry run cannot learn: there a convolution's output is planned as the devices lay it out, channels_last
+    (channels_last_3d) when its input or weight suggests that format (`_device_conv_layout`; meta's kernel makes
+    it contiguous), so that a channels_last model's later ops see the same layouts, and take the same paths, as
+    on the device.
 Limitations: ops whose output shape depends on data (nonzero, masked_select) cannot run on `meta`: they take the
   temporary path and pay their cost model's call each time. A dry run on `meta` takes the CPU's choices, so its
-  statistics match a CPU run.
+  statistics match a CPU run. The convolution rule is cuDNN's and oneDNN's (float64 stays contiguous), not the
+  CPU's fallback kernel's, which makes a float64 2-D convolution's output channels_last.
 """
 
 from __future__ import annotations
@@ -66,6 +71,11 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+try:
+    from torch._prims_common import suggest_memory_format as _suggest
+except ImportError:
+    _suggest = None
 
 from . import ops
 from .cost import op_cost
@@ -120,6 +130,9 @@ _FRESH_CONTIGUOUS = {getattr(torch.ops.aten, n).default for n in ("mm", "addmm",
 # batch norm in eval mode (saved statistics of shape (C,) on meta, (0,) and never written on the CPU) and
 # _linalg_svd of an empty matrix (Vh's strides)
 _META_DIFFERS = {torch.ops.aten.native_batch_norm.default, torch.ops.aten._linalg_svd.default}
+# ops whose meta kernel makes a channels_last input's output contiguous where every device keeps channels_last:
+# a dry run plans them as the devices lay them out (`_device_conv_layout`)
+_CONVOLUTIONS = {torch.ops.aten.convolution.default}
 _PLANS: dict = {}
 _PLANS_MAX = 1 << 14  # configurations kept; the cache starts over when full (shapes or scalars that change every
                       # step would otherwise grow it without end)
@@ -287,6 +300,8 @@ def _make_plan(func, op, leaves, spec, device_type) -> OpPlan | None:
     shared = [o.untyped_storage()._cdata in in_storages for o in outs if isinstance(o, torch.Tensor)]
     aliases = bool(shared) and all(shared)
     partly = any(shared) and not aliases  # cuDNN's RNN returns its flat weight buffer beside fresh outputs
+    if device_type == "meta" and func in _CONVOLUTIONS:
+        outs[0] = _device_conv_layout(margs[0], margs[1], outs[0])
     specs = []
     for o in outs:
         if isinstance(o, torch.Tensor):
@@ -312,6 +327,33 @@ def _make_plan(func, op, leaves, spec, device_type) -> OpPlan | None:
              and (func in _FRESH_CONTIGUOUS or all(not isinstance(x, torch.Tensor) or x.is_contiguous()
                                                    for x in mleaves)))
     return OpPlan(tuple(specs), aliases, parts, out_op, names if out_op is not None else (), cost, plain=plain)
+
+
+def _device_conv_layout(x, weight, out):
+    """A convolution's output as the CPU's and CUDA's kernels lay it out (meta's kernel makes it contiguous):
+    channels_last (channels_last_3d for 5-D) when the input or the weight suggests that format, as PyTorch's
+    backends decide (cuDNN, oneDNN and the CPU's own convolution alike)."""
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(out.dim())
+    if (fmt is None or not isinstance(weight, torch.Tensor) or torch.float64 in (x.dtype, weight.dtype)
+            or fmt not in (_suggest_format(x), _suggest_format(weight))):
+        return out  # (cuDNN and oneDNN leave float64 contiguous)
+    return torch.empty(out.size(), dtype=out.dtype, device=_META, memory_format=fmt)
+
+
+def as_planned(o, spec):
+    """Meta output `o` laid out as planned where the plan lays it out as the devices do (`_device_conv_layout`)."""
+    if isinstance(o, torch.Tensor) and spec is not None and tuple(o.stride()) != spec.stride:
+        return torch.empty_strided(spec.size, spec.stride, dtype=o.dtype, device=o.device)
+    return o
+
+
+def _suggest_format(x) -> torch.memory_format:
+    """Tensor.suggest_memory_format(), which C++ kernels read but Python does not expose (PyTorch's own Python
+    copy where this version has it)."""
+    if _suggest is not None:
+        return _suggest(x)
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+    return fmt if fmt is not None and x.is_contiguous(memory_format=fmt) and not x.is_contiguous() else torch.contiguous_format
 
 
 def check_strided(func, outs) -> None:
