@@ -90,7 +90,7 @@ import weakref
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass, transform_subclass
 
-from .errors import CoopArenaError, OutOfBudget
+from .errors import CoopArenaError, OutOfBudget, _internal_assert
 from .recipe import dead_ref, plain_dispatch
 from .storage import State, Storage
 from .tensor import Tensor, adopt
@@ -139,6 +139,26 @@ class Lifetime:
         if d.wrappers == 0 and d.runtime is not None:
             self.counters.count_live(-s.nbytes)
             self.dead.append(s)
+
+    def rebind(self, t: Tensor, cell) -> None:
+        """`t.data = new` inside the block (tensor.py): wrapper `t` uses `cell`'s storage from now on, and no
+        longer its old one, which may die with it (Note [Dead storages])."""
+        ref = next((r for r in self._refs.values() if r() is t), None)
+        _internal_assert(ref is not None, "a wrapper of this block that Lifetime does not know")
+        old, s = ref.cell.storage, cell.storage
+        if old is s:
+            t._cell = cell
+            return
+        s.payload.wrappers += 1
+        if s.payload.wrappers == 1:
+            self.counters.count_live(s.nbytes)
+        self.live[s.sid] = s
+        ref.cell = cell
+        t._cell = cell
+        old.payload.wrappers -= 1
+        if old.payload.wrappers == 0:
+            self.counters.count_live(-old.nbytes)
+            self.dead.append(old)
 
     def watch_leaf(self, x: torch.Tensor) -> None:
         """A leaf from before the block that an op read: its gradient leaves the arena when accumulated."""

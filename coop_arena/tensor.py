@@ -23,10 +23,14 @@ Approach: at block exit every live wrapper is given its storage's plain copy as 
   storage and read or copy it at once with dispatch disabled, so nothing runs in between that could evict it;
   copy.copy and detach give another wrapper over the same storage. Paths that hand out raw memory with no end in
   sight (data_ptr, untyped_storage, numpy(), __dlpack__) raise RawMemoryError, which points to
-  `coop_arena.pinned(t)`, before anything is restored.
-Limitations: inside the block, `numpy.asarray(t)` is a copy (numpy allows one; `copy=False` is refused by numpy itself,
-  as for plain tensors), and two views of one storage pickled together are saved as two copies (deepcopy keeps them
-  views of one copy). A wrapper whose storage was lost at exit has no storage: every path above reaches `as_plain`,
+  `coop_arena.pinned(t)`, before anything is restored. `apply_` runs its function over the bytes in C++: inside
+  the block on a copy, written back by a recorded copy_. `t.data = new` makes PyTorch copy new's sizes and storage
+  into the wrapper's TensorImpl, which holds no bytes: the wrapper takes new's Cell too (inside the block only a
+  tensor of the same block has arena bytes to share; after it, a plain `new` gets a Cell over its own storage).
+Limitations: `torch.utils.dlpack.to_dlpack(t)` reads the TensorImpl in C++ without asking the wrapper: inside the
+  block its capsule has no memory. Inside the block, `numpy.asarray(t)` is a copy (numpy allows one; `copy=False`
+  is refused by numpy itself, as for plain tensors), and two views of one storage pickled together are saved as
+  two copies (deepcopy keeps them views of one copy). A wrapper whose storage was lost at exit has no storage: every path above reaches `as_plain`,
   which raises TensorLost, except repr (and format, which prints it), which shows the message instead (a repr that
   raises breaks printing whatever holds the tensor).
 """
@@ -38,7 +42,7 @@ import contextlib
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from .errors import RawMemoryError
+from .errors import BudgetUsageError, RawMemoryError
 
 aten = torch.ops.aten
 
@@ -95,6 +99,30 @@ class Tensor(torch.Tensor):
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
 
     # ================================================== paths outside aten dispatch (See Note [Escaped tensors])
+    @property
+    def data(self) -> torch.Tensor:
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, new: torch.Tensor) -> None:
+        """`t.data = new`: PyTorch copies `new`'s sizes, strides and storage into the wrapper's TensorImpl, which
+        holds no bytes; the wrapper must also read `new`'s bytes from then on, through `new`'s Cell."""
+        runtime = self._cell.storage.payload.runtime
+        if runtime is not None:  # inside the block: only a tensor of this block has arena bytes to share
+            if not (isinstance(new, Tensor) and new._cell.storage.payload.runtime is runtime):
+                raise BudgetUsageError(
+                    f"`t.data = new` on a tensor made inside a Budget needs `new` made inside the same block (got "
+                    f"a {type(new).__name__} from outside it, whose bytes the arena does not hold); assign "
+                    f"`t.data = new.clone()` or use `new` itself")
+            torch._C.TensorBase.data.__set__(self, new)
+            runtime.lifetime.rebind(self, new._cell)
+            return
+        if isinstance(new, Tensor) and new._inside():
+            raise BudgetUsageError("`t.data = new` with `new` made inside a running Budget block and `t` from an "
+                                   "earlier one: assign `t.data = new` inside the block that made `t`, or after it")
+        torch._C.TensorBase.data.__set__(self, new)
+        self._cell = new._cell if isinstance(new, Tensor) else _escaped_cell(new)
+
     def _inside(self) -> bool:
         return self._cell.storage.payload.runtime is not None
 
@@ -185,6 +213,19 @@ class Tensor(torch.Tensor):
                 return self._own().__dlpack__(**kwargs)
             return self._raw("t.__dlpack__()", ", or pass copy=True for a copy").__dlpack__(**kwargs)
 
+    def apply_(self, callable):
+        """PyTorch runs `callable` over the bytes in C++, which a wrapper inside the block does not have (a null
+        pointer: the interpreter crashed). Inside, it runs on a copy, written back by a `copy_` that the Budget
+        records (Rule 6); like apply_, the write bumps no version counter."""
+        if not self._inside():
+            self.as_plain()  # (a lost tensor raises TensorLost; an escaped one has bytes of its own)
+            return super().apply_(callable)
+        with torch._C._DisableTorchDispatch():
+            new = self._own().apply_(callable)  # (PyTorch's own errors: requires_grad, a non-CPU device)
+        with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
+            self.copy_(new)
+        return self
+
     def data_ptr(self) -> int:
         return self._raw("t.data_ptr()").data_ptr()
 
@@ -208,6 +249,18 @@ class Tensor(torch.Tensor):
         if self._inside():
             return self.detach().requires_grad_(self.requires_grad)
         return self._view()
+
+
+def _escaped_cell(new: torch.Tensor) -> Cell:
+    """A Cell over plain tensor `new`'s storage, for an escaped wrapper given `new` as its data: it reads and
+    writes `new`'s bytes from then on, as a plain tensor would."""
+    from .recipe import Data, dead_ref  # (recipe imports this module)
+    from .storage import State, Storage
+    with torch._C._DisableTorchDispatch():
+        raw = torch.empty(0, dtype=torch.uint8, device=new.device).set_(new.untyped_storage())
+    s = Storage(sid=-1, nbytes=raw.numel(), cost=0.0, evictable=False, expensive=False, state=State.FREED)
+    s.payload = Data(runtime=None, cell_ref=dead_ref, recipe=None, index=0, detached=raw)
+    return Cell(s)
 
 
 def adopt(pairs) -> None:

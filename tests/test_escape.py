@@ -103,11 +103,12 @@ PATHS = {
     "parameter": nn.Parameter,
     "parameter_step": _parameter_step,
     "buffer": _buffer,
+    "apply": lambda t: t.apply_(lambda v: v * 2 + 1),  # C++ over the bytes (it crashed the interpreter inside)
 }
 RAW = {"numpy", "dlpack", "data_ptr", "untyped_storage"}  # refused inside the block
 # paths whose result may be a coop_arena.Tensor where the reference's is plain (views of the tensor itself)
-WRAPPED = {"inside": {"copy", "iter", "index", "parameter", "buffer", "deepcopy_views"},
-           "after": {"parameter", "parameter_step", "buffer"}}
+WRAPPED = {"inside": {"copy", "iter", "index", "parameter", "buffer", "deepcopy_views", "apply"},
+           "after": {"parameter", "parameter_step", "buffer", "apply"}}
 SHARES = ("numpy", "numpy_force", "asarray", "asarray_nocopy", "copy", "dlpack", "parameter")  # memory, after
 
 
@@ -352,3 +353,65 @@ def test_a_held_output_is_rolled_forward_instead_of_replayed_at_exit(monkeypatch
     assert runs["on"].exit_rematerializations == 0 and runs["on"].exit_recompute_cost == 0
     assert runs["off"].exit_rematerializations > 50, "the step replays nothing at exit: the test tests nothing"
     assert runs["on"].compute_overhead < runs["off"].compute_overhead < 3.0
+
+
+def _pgd_step(model, x, y, budget=None):
+    """Adversarial training as commonly written: the perturbation is updated through `.data` inside the step."""
+    ctx = budget if budget is not None else contextlib.nullcontext()
+    with ctx:
+        delta = torch.zeros_like(x, requires_grad=True)
+        for _ in range(3):
+            nn.functional.cross_entropy(model(x + delta), y).backward()
+            delta.data = (delta + 0.01 * delta.grad.sign()).clamp(-0.03, 0.03)
+            delta.grad.zero_()
+        model.zero_grad()
+        loss = nn.functional.cross_entropy(model(x + delta.detach()), y)
+        loss.backward()
+    return [loss.detach(), delta.detach()] + [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("policy", ["coop", "dtr"])
+def test_data_assignment_inside_the_block_is_honoured(policy):
+    """`t.data = new` copies new's sizes and storage into the wrapper's TensorImpl, which holds no bytes: the
+    wrapper kept reading its old storage, so a PGD loop trained on a perturbation that never moved (and a new value
+    of another shape read past its storage, then failed at exit)."""
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(64, 64), nn.Tanh())], nn.Linear(64, 10))
+    x, y = torch.randn(256, 64), torch.arange(256) % 10
+    want = _pgd_step(model(), x, y)
+    probe = coop_arena.Budget(1 << 24, device="cpu")
+    _pgd_step(model(), x, y, probe)
+    budget = coop_arena.Budget(probe.stats.peak_bytes * 7 // 10, device="cpu", policy=policy)
+    got = _pgd_step(model(), x, y, budget)
+    assert budget.stats.evictions > 0 and budget.stats.rematerializations > 0
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert not torch.equal(got[1], torch.zeros_like(x))  # the perturbation moved
+
+    def grow(budget=None):  # a new value of another shape
+        with budget if budget is not None else contextlib.nullcontext():
+            h = torch.tanh(x * 2)
+            h.data = torch.cat([h.data, h.data * 0.5], 1)
+            out = h.sum(1) * 1
+        return h, out
+    (h0, o0), (h1, o1) = grow(), grow(coop_arena.Budget(1 << 20, device="cpu"))
+    assert h1.shape == h0.shape == (256, 128) and torch.equal(h1, h0) and torch.equal(o1, o0)
+
+
+def test_data_assignment_outside_the_block_and_refused_cases():
+    """After the block a wrapper takes `new`'s bytes as a plain tensor would (shared, not copied); inside it, `new`
+    must be a tensor of the same block (the arena does not hold another's bytes): a typed error says so."""
+    outside = torch.ones(3)
+    with coop_arena.Budget(1 << 20, device="cpu"):
+        h = X * 2
+        with pytest.raises(coop_arena.BudgetUsageError, match=r"t\.data = new\.clone\(\)"):
+            h.data = outside
+        assert torch.equal(h * 1, X * 2)  # nothing changed
+    new = torch.full((4, 3), 7.0)
+    h.data = new
+    assert torch.equal(h * 1, new) and h.shape == (4, 3)
+    new.add_(1)  # one storage, as for a plain tensor
+    assert torch.equal(h * 1, torch.full((4, 3), 8.0))
+    with coop_arena.Budget(1 << 20, device="cpu"):
+        with pytest.raises(coop_arena.BudgetUsageError, match="earlier one"):
+            h.data = X * 3
