@@ -71,8 +71,9 @@ def _copy_bytes_kernel(
 @triton.jit
 def _num_tiles(n, BLOCK: tl.constexpr):
     """Tiles of BLOCK bytes that cover n bytes. n is widened first: Triton passes an n below 2**31 as int32, in which
-    n + BLOCK - 1 wraps negative for the last BLOCK - 1 values (a move of just under 2 GiB would copy nothing)."""
-    return tl.cdiv(n.to(tl.int64), BLOCK)
+    n + BLOCK - 1 wraps negative for the last BLOCK - 1 values (a move of just under 2 GiB would copy nothing). An n
+    of 1 arrives as a constexpr (Triton specialises int arguments equal to 1), which has no `.to`: to_tensor first."""
+    return tl.cdiv(tl.to_tensor(n).to(tl.int64), BLOCK)
 
 
 @triton.jit
