@@ -224,6 +224,12 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     src = require_tensor(src, "src", op)
     if dst.dtype != src.dtype:
         raise TypeError(f"{op}: dtypes differ: dst is {dst.dtype}, src is {src.dtype}")
+    for name, t in (("dst", dst), ("src", src)):
+        if t.is_conj() or t.is_neg():  # the kernel moves raw bits, in which a lazy conjugation or negation is not
+            kind = "conjugate" if t.is_conj() else "negative"
+            fix = ("pass src.resolve_conj().resolve_neg()" if name == "src" else
+                   "write into the tensor it views, with the source conjugated or negated to match")
+            raise TypeError(f"{op}: {name} is a {kind} view, whose bits are not its value; {fix}")
     if dst.element_size() not in _INT_OF_SIZE:
         raise TypeError(f"{op}: elements of {dst.element_size()} bytes ({dst.dtype}) are not supported")
     if dst.shape != src.shape:

@@ -247,6 +247,12 @@ def test_copy_into_rejects_bad_arguments():
     with pytest.raises(TypeError, match="not supported"):
         copy_into(torch.zeros(2, dtype=torch.complex128, device=DEVICE), torch.zeros(2, dtype=torch.complex128,
                                                                                       device=DEVICE))
+    z = torch.randn(2, 3, dtype=torch.complex64, generator=_gen(10)).to(DEVICE)
+    for dst, src, words in [(torch.zeros_like(z), z.conj(), "src is a conjugate view"),
+                            (torch.zeros_like(z), torch._neg_view(z), "src is a negative view"),
+                            (torch.zeros_like(z).conj(), z, "dst is a conjugate view")]:
+        with pytest.raises(TypeError, match=words):  # the kernel copies bits; the lazy bit would be lost
+            copy_into(dst, src)
     with pytest.raises(ValueError, match="stride-0"):
         copy_into(torch.zeros(1, 5, device=DEVICE).expand(4, 5), torch.ones(4, 5, device=DEVICE))
     with pytest.raises(ValueError, match="share memory"):
