@@ -534,6 +534,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny models on the CPU (a check of this script)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    args.out = str(Path(args.out).resolve())  # children run with cwd=ROOT: a relative --out means the caller's cwd
     if args.child:
         child(args.child, args.seconds, args.smoke)
         return 0
