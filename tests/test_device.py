@@ -435,15 +435,16 @@ def test_gpu_check_runs_a_python_that_has_torch_but_not_this_package(tmp_path):
     # this environment's packages as plain paths: their .pth files (this package's editable install) do not run
     (site / "torch_only.pth").write_text("\n".join(p for p in sys.path if p.endswith("site-packages")) + "\n")
     python = str(venv / "bin" / "python")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # (a PYTHONPATH naming a checkout would import it)
     probe = subprocess.run([python, "-c", "import torch, triton, coop_arena"], cwd=tmp_path, capture_output=True,
-                           text=True, timeout=120)
+                           text=True, timeout=120, env=env)
     assert "No module named 'coop_arena'" in probe.stderr, probe.stderr[-2000:]
     kernels = subprocess.run([python, "-c", f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import gpu_check; "
                               f"gpu_check.use_this_checkout(); import coop_arena.kernels.copy as k; print(k.__file__)"],
-                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                             cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
     assert kernels.stdout.strip() == str(ROOT / "kernels" / "copy.py"), kernels.stderr[-2000:]
     done = subprocess.run([python, str(ROOT / "bench" / "gpu_check.py"), "--smoke", "--parts", "resnet50", "--out",
-                           str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+                           str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     part = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]["resnet50"]
     assert part["status"] == "ok" and [r["kind"] for r in part["records"]][:3] == ["model", "plain", "engine_peak"], part
