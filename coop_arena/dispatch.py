@@ -104,11 +104,26 @@ def _drew(call: _Call, rng) -> object:
     return rng if drew else None
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether `a` and its clone `b` hold the same bytes (torch.equal finds a NaN unequal to itself)."""
-    def raw(t):  # (a fresh contiguous copy: contiguous() keeps a one-element tensor's stride, which may not be 1)
-        return t.resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format).view(-1).view(torch.uint8)
-    return torch.equal(raw(a), raw(b))
+# Note [Probing for hidden writes]
+# The first call of an op configuration with tensor arguments from outside the arena copies them and compares after
+# the op: a write that its schema does not mark (native_batch_norm's running statistics, an untagged custom op) is
+# an effect (Rule 5). The copies are made in host memory: on a device they would be memory outside both the arena
+# and the temporaries the Budget counts (a language model's embedding, hundreds of MB, in its first step). That
+# costs two copies to the host per argument and configuration, in the first step only.
+def _probe(externals) -> list:
+    """(position, tensor, version, host copy) of the op's tensor arguments from outside the arena, before it runs."""
+    return [(pos, t, t._version, _raw(t.cpu())) for pos, t in externals]
+
+
+def _probed_writes(probe) -> frozenset:
+    """The positions among `probe` that the op wrote (torch.equal on raw bytes: a NaN is equal to itself)."""
+    return frozenset(pos for pos, t, v, before in probe if t._version != v or not torch.equal(_raw(t.cpu()), before))
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """A fresh contiguous copy of `t`'s bytes (contiguous() keeps a one-element tensor's stride, which may not be 1;
+    on the CPU, t.cpu() is `t` itself)."""
+    return t.resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format).view(-1).view(torch.uint8)
 
 
 class _Grows(Exception):
@@ -362,8 +377,8 @@ class Dispatch:
             self._bind(call, owner)
             externals, key, written = self._externals(call, plan)
             probe = None
-            if written is None:  # first call of this op and configuration: look for writes the schema hides
-                probe = [(pos, t, t._version, t.clone()) for pos, t in externals]
+            if written is None:  # first call of this op and configuration: Note [Probing for hidden writes]
+                probe = _probe(externals)
             guard = plan.out_op is not None and not plan.checked and self.device.type != "meta"
             views = [(self._fixed_view if guard else self.arena.view)(s.offset, o.dtype, o.size, o.stride, 0)
                      if s is not None else torch.empty(o.size, dtype=o.dtype, device=self.device)
@@ -387,8 +402,7 @@ class Dispatch:
             memory.may_relocate = True
             self._account(plan.cost)
             if probe is not None:
-                written = key[0][key[1]] = frozenset(
-                    pos for pos, t, v, before in probe if t._version != v or not _same_bits(t, before))
+                written = key[0][key[1]] = _probed_writes(probe)
             rargs, rkwargs = ops.unflatten(call.recorded, call.spec)
             recipe = Recipe.make(func, rargs, rkwargs, rng, plan.cost, uninitialized=call.op.uninitialized,
                                  grad_mode=torch.is_grad_enabled(), direct=plan)
@@ -438,8 +452,8 @@ class Dispatch:
         func = call.func
         externals, key, written = self._externals(call, plan)
         probe = None
-        if written is None:
-            probe = [(pos, t, t._version, t.clone()) for pos, t in externals]
+        if written is None:  # Note [Probing for hidden writes]
+            probe = _probe(externals)
         rng = capture_rng(self.device, call.op, call.pargs, call.pkwargs)
         out = func(*call.pargs, **call.pkwargs)
         if call.op.random is None:  # Note [Custom ops that draw]
@@ -453,8 +467,7 @@ class Dispatch:
         self._account(cost)
         self.memory.may_relocate = True  # the op has run: its inputs' views are dead, they may move
         if probe is not None:
-            written = key[0][key[1]] = frozenset(
-                pos for pos, t, v, before in probe if t._version != v or not _same_bits(t, before))
+            written = key[0][key[1]] = _probed_writes(probe)
         rargs, rkwargs = ops.unflatten(call.recorded, call.spec)
         recipe = Recipe.make(func, rargs, rkwargs, rng, cost, uninitialized=call.op.uninitialized,
                              grad_mode=torch.is_grad_enabled())

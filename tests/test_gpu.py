@@ -302,6 +302,25 @@ def test_a_block_adds_no_host_synchronisation(name, fraction):
         assert budget.stats.rematerializations > 0
 
 
+def test_the_first_block_copies_no_argument_from_outside_the_arena_on_the_device():
+    """The first call of an op configuration compares its arguments from outside the arena before and after it
+    (Note [Probing for hidden writes] in dispatch.py): the copies are in host memory, not on the device, where they
+    would be outside the budget and the counted temporaries (here a 400 MB embedding table)."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(200_000, 512).cuda().requires_grad_(False)  # 400 MB, read by the first op
+    head = torch.nn.Linear(512, 8).cuda()
+    ids = torch.randint(0, 200_000, (8, 77), device="cuda")  # a configuration no other test ran
+    budget = coop_arena.Budget(64 << 20, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with budget:
+        head(emb(ids)).square().sum().backward()
+    torch.cuda.synchronize()
+    over = torch.cuda.max_memory_allocated() - base - budget.stats.temporary_peak
+    assert over < 64 << 20, f"{over} bytes on the device beyond the arena and the counted temporaries"
+
+
 # --------------------------------------------------------------------------------------------- pinned views
 def test_pinned_views_are_cuda_array_interface_and_dlpack_producers():
     budget = coop_arena.Budget(4 << 20, device="cuda")
