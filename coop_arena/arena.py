@@ -166,9 +166,10 @@ class Arena:
             self._move(src, dst, nbytes)
 
     def _pick_mover(self, copy_kernel: bool | None):
-        """The function `move` copies with. By default (None) the Triton kernel on CUDA, tried once here on a few
-        bytes of the fresh buffer: where Triton is missing or cannot build its launcher (no C compiler), the
-        arena warns and uses `copy_`, rather than failing at the first relocation in the middle of a step."""
+        """The function `move` copies with. By default (None) the Triton kernel on CUDA, tried here on a few bytes of
+        the fresh buffer (a disjoint copy and overlapping moves both ways, so each kernel has compiled): where Triton
+        is missing or cannot build its launcher (no C compiler), the arena warns and uses `copy_`, rather than
+        failing at the first relocation in the middle of a step."""
         if copy_kernel is False or (copy_kernel is None and self.device.type != "cuda"):
             return self._move_torch
         try:
@@ -180,7 +181,8 @@ class Arena:
             from .kernels.copy import arena_move
             mover = lambda src, dst, nbytes: arena_move(self.buffer, src, dst, nbytes)  # noqa: E731
             if copy_kernel is None and self.nbytes >= 1024:
-                mover(0, 512, 512)  # the buffer holds nothing yet: a real launch, nothing to lose
+                for src, dst in ((0, 512), (0, 1), (1, 0)):  # the buffer holds nothing yet: real launches of the
+                    mover(src, dst, 512)                       # disjoint copy and the overlapping moves both ways
         except Exception as e:
             if copy_kernel:
                 raise
