@@ -169,7 +169,25 @@ def _copied_outside(original):
     return run
 
 
-_COPIES = [(torch.Tensor, "__deepcopy__", _copied_outside), (torch.nn.Parameter, "__deepcopy__", _copied_outside)]
+def _data_guarded(original):
+    """`t.data = u` on a tensor from before the block (module.to(), .double(), .half() do it for every parameter),
+    with `u` a tensor of a running block: set_data would give `t` the storage of a wrapper, which has no memory, so
+    its next use after the block crashed the interpreter. Refused before anything changes. (A wrapper's own `data`
+    setter, tensor.py, handles `t` made inside a block.)"""
+    def set_data(self, new):
+        if isinstance(new, Tensor) and new._cell.storage.payload.runtime is not None:
+            raise BudgetUsageError(
+                f"`t.data = u` inside a Budget, with t a tensor from before the block of shape {list(self.shape)} and "
+                f"dtype {self.dtype} and u a tensor made inside the block (shape {list(new.shape)}, {new.dtype}): "
+                f"u's bytes live in the arena, where t cannot share them. module.to(), .double(), .half() and "
+                f".float() do this for every parameter: convert the model outside the block, before it (nothing was "
+                f"changed). To change a tensor's values inside the block use `with torch.no_grad(): t.copy_(u)`")
+        original.__set__(self, new)
+    return property(lambda self: original.__get__(self, type(self)), set_data, doc=original.__doc__)
+
+
+_COPIES = [(torch.Tensor, "__deepcopy__", _copied_outside), (torch.nn.Parameter, "__deepcopy__", _copied_outside),
+           (torch.Tensor, "data", _data_guarded)]
 
 
 def _plain(x):

@@ -6,7 +6,8 @@ apart from the step's own ops: it is recognised by the library method it runs in
 deep copies of tensors from before the block, bookkeeping.py). A replacement looks up the Bookkeeping of the
 Budget open in the calling thread (`current()`) and behaves exactly as the original where there is none; the
 originals are put back when the last open Budget closes. Methods are looked up on their classes at each call,
-so replacing them on the class reaches objects made before.
+so replacing them on the class reaches objects made before. (`Tensor.data`'s setter, bookkeeping.py, refuses in
+every thread what would break in any: sharing the storage of a running block's tensor, which has none.)
 """
 
 from __future__ import annotations
@@ -36,14 +37,15 @@ def current():
 
 def open(bookkeeping, replacements) -> None:
     """Register `bookkeeping` for this thread and replace each (class, name, wrap) of `replacements` that is not
-    replaced yet by wrap(original)."""
+    replaced yet by wrap(original). An attribute the class inherits is set on the class, then deleted again."""
     with _lock:
         _open[threading.get_ident()] = bookkeeping
         done = {(cls, name) for cls, name, _ in _saved}
         for cls, name, wrap in replacements:
             if (cls, name) not in done:
-                original = cls.__dict__[name]
-                _saved.append((cls, name, original))
+                inherited = name not in cls.__dict__  # (torch.Tensor.data lives on torch._C.TensorBase)
+                original = next(c.__dict__[name] for c in cls.__mro__ if name in c.__dict__)
+                _saved.append((cls, name, None if inherited else original))
                 setattr(cls, name, wrap(original))
 
 
@@ -54,5 +56,8 @@ def close(bookkeeping) -> None:
         if _open:
             return
         for cls, name, original in reversed(_saved):
-            setattr(cls, name, original)
+            if original is None:
+                delattr(cls, name)  # it was inherited: the base class's comes back
+            else:
+                setattr(cls, name, original)
         _saved.clear()

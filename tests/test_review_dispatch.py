@@ -188,6 +188,7 @@ def test_factory_ops_follow_the_default_dtype_set_between_blocks():
 _DATA_REPLACED = """
 import torch, coop_arena
 lin = torch.nn.Linear(4, 3)
+weight = lin.weight.detach().clone()
 budget = coop_arena.Budget(1 << 20, device="cpu")
 try:
     with budget:
@@ -195,17 +196,20 @@ try:
         lin(torch.randn(2, 4, dtype=torch.float64))
 except coop_arena.BudgetUsageError as e:
     print("BudgetUsageError:", e)
+print("intact", lin.weight.dtype, torch.equal(lin.weight, weight), tuple(lin(torch.randn(2, 4)).shape))
 with budget:  # still usable
     print("usable", (torch.ones(3) * 2).sum().item())
 """
 
 
-def test_a_tensor_whose_data_was_replaced_inside_the_block_gets_a_typed_error_not_a_crash():
-    """`p.data = t` (and module.to(dtype), which does it) with `t` made inside the block gives `p` the wrapper's
-    storage, which is none: the next op that looked at `p` crashed the interpreter. (A subprocess: it segfaulted.)"""
+def test_a_tensor_whose_data_would_be_replaced_inside_the_block_gets_a_typed_error_not_a_crash():
+    """`p.data = t` (and module.to(dtype), which does it) with `t` made inside the block gave `p` the wrapper's
+    storage, which is none: the next op that looked at `p`, inside the block or after it, crashed the interpreter.
+    The assignment is refused before anything changes. (A subprocess: it segfaulted.)"""
     done = subprocess.run([sys.executable, "-c", _DATA_REPLACED], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "BudgetUsageError:" in done.stdout and "outside the block" in done.stdout and "usable 6.0" in done.stdout
+    assert "intact torch.float32 True (2, 3)" in done.stdout
 
 
 def test_ops_on_tensors_of_another_device_alone_run_there():
