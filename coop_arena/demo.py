@@ -15,6 +15,7 @@ from rich.table import Table
 from tqdm import tqdm
 
 from .budget import Budget
+from .evaluate import CONFIGS
 from .examples import GPT
 from .policy import POLICIES
 
@@ -84,7 +85,7 @@ def main(steps: int = 4, ratio: float = 0.5) -> int:
     table.add_row("plain", _fmt_bytes(peak), "-", "-", "-", "-", "1.00x", "1.00x", "1.00x" if steps > 1 else "-", "reference")
     ok = True
     for policy in POLICIES:
-        budget = Budget(nbytes, device="cpu", policy=policy)
+        budget = Budget(nbytes, device="cpu", **CONFIGS[policy])  # the evaluation's baselines
         model, t, _ = train(budget, steps, f"policy {policy}")
         same = all(torch.equal(a, b.detach()) for a, b in zip(ref_state, model.state_dict().values()))
         ok &= same

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import re
+import sys
 
 import torch
 from rich.console import Console
@@ -21,7 +23,7 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "m
 
 def parse_budget(text: str) -> tuple[str, float]:
     """("ratio", r) for a number in (0, 1], ("bytes", n) for a size such as 8GiB, 512MiB or 1e9."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot read budget {text!r}: give bytes with a unit (8GiB, 512MiB, 1e9) or a ratio "
                          f"of the plain peak in (0, 1] (0.5)")
@@ -30,6 +32,9 @@ def parse_budget(text: str) -> tuple[str, float]:
         raise ValueError(f"budget {text!r} is not a finite number")
     if not unit and 0 < value <= 1:
         return "ratio", value
+    if not unit and not value.is_integer():
+        raise ValueError(f"budget {text!r} is neither a ratio of the plain peak in (0, 1] nor a whole number of "
+                         f"bytes: give a ratio such as 0.5, or bytes with a unit (8GiB, 512MiB)")
     if value * _UNITS[unit] < 1:
         raise ValueError(f"budget {text!r} is less than one byte")
     return "bytes", value * _UNITS[unit]
@@ -45,6 +50,8 @@ def load(spec: str, batch: int):
         model, inputs = suite.SUITE[spec].build(batch)
     elif ":" in spec:
         mod, fn = spec.split(":", 1)
+        if "" not in sys.path and os.getcwd() not in sys.path:  # the `coop-arena` script: as `python -m` does
+            sys.path.insert(0, os.getcwd())
         try:
             module = importlib.import_module(mod)
         except ImportError as e:
@@ -96,8 +103,9 @@ def plan(spec: str, batch: int | None, budget_text: str, console: Console | None
                         f"{lower / 2**20:.1f} MiB, budget {nbytes / 2**20:.1f} MiB ({nbytes / peak:.0%} of peak)")
     for col in ("policy", "fits", "compute overhead", "evictions", "fragmentation", "arena peak"):
         table.add_column(col, justify="right")
+    from .evaluate import CONFIGS  # the evaluation's baselines: dtr and dte with address-oblivious placement
     for policy in POLICIES:
-        b = Budget(max(nbytes, 512), device="meta", policy=policy)
+        b = Budget(max(nbytes, 512), device="meta", **CONFIGS[policy])
         try:
             step(model, inputs, b)
             st = b.stats

@@ -10,14 +10,16 @@ from coop_arena.plan import parse_budget, plan
 
 @pytest.mark.parametrize("text,expected", [("0.5", ("ratio", 0.5)), ("1", ("ratio", 1.0)), ("8GiB", ("bytes", 8 * 2**30)),
                                            ("512MiB", ("bytes", 512 * 2**20)), ("1e9", ("bytes", 1e9)),
-                                           ("300kb", ("bytes", 300e3)), ("2", ("bytes", 2.0))])
+                                           ("300kb", ("bytes", 300e3)), ("2", ("bytes", 2.0)),
+                                           ("2.5e-1", ("ratio", 0.25)), ("1E9", ("bytes", 1e9))])
 def test_parse_budget(text, expected):
     assert parse_budget(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "abc", "5 parsecs", "-1GiB", "0"])
+@pytest.mark.parametrize("text", ["", "abc", "5 parsecs", "-1GiB", "0", "1.5", "2.5"])
 def test_parse_budget_rejects(text):
-    with pytest.raises(ValueError, match="cannot read budget|less than one byte"):
+    """(1.5 is neither a ratio of the peak nor a whole number of bytes: it was read as one byte)"""
+    with pytest.raises(ValueError, match="cannot read budget|less than one byte|neither a ratio"):
         parse_budget(text)
 
 
@@ -43,3 +45,38 @@ def test_cli_plan_and_errors(capsys):
         main(["plan", "nosuchmodel"])
     with pytest.raises(SystemExit):
         main(["plan", "mlp", "--budget", "lots"])
+
+
+def test_plan_runs_the_baselines_the_evaluation_runs():
+    """`coop-arena plan` and the demo ran dtr and dte with coop's partitioned placement (`Budget(policy=...)`),
+    which the evaluation calls coop-no-window: their rows did not match the README's tables."""
+    import coop_arena
+    from coop_arena.evaluate import CONFIGS
+    from coop_arena.plan import load, step
+    r = plan("gpt", 4, "0.5", Console(file=io.StringIO()))
+    for policy in ("dtr", "dte"):
+        model, inputs = load("gpt", 4)
+        b = coop_arena.Budget(r["budget"], device="meta", **CONFIGS[policy])
+        step(model, inputs, b)
+        assert b.stats.evictions > 0
+        assert r["policies"][policy]["compute_overhead"] == b.stats.compute_overhead, policy
+
+
+def test_plan_imports_a_factory_from_the_current_directory(tmp_path, monkeypatch):
+    """The installed `coop-arena` script does not put the current directory on sys.path, as `python -m` does."""
+    import sys
+    (tmp_path / "mymodels.py").write_text(
+        "import torch\n"
+        "def build(batch):\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()), (torch.randn(batch, 8),)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "mymodels", raising=False)
+    r = plan("mymodels:build", 4, "1", Console(file=io.StringIO()))
+    assert r["policies"]["coop"]["fits"]
+
+
+def test_cli_evaluate_refuses_an_unknown_model(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        main(["evaluate", "--models", "resnet5O", "--out", str(tmp_path / "out")])
+    assert "unknown model 'resnet5O'" in capsys.readouterr().err
