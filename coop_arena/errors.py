@@ -30,8 +30,9 @@ class OutOfBudget(CoopArenaError):
     """
 
     def __init__(self, requested: int, budget: int, unevictable: int, largest_window: int, op: str | None = None,
-                 *, pinned: int = 0, restore: bool = False):
+                 *, pinned: int = 0, restore: bool = False, need: int | None = None):
         self.requested = requested
+        need = requested if need is None else need  # the request rounded up to the arena's alignment
         self.budget = budget
         self.unevictable = unevictable
         self.pinned = pinned
@@ -44,17 +45,18 @@ class OutOfBudget(CoopArenaError):
             what, holder = f" to restore an evicted tensor that {op} needs", op
         else:
             what, holder = f" for the output of {op}", op
-        at_once = pinned + requested
+        at_once = pinned + need
         if at_once + unevictable > budget:
             advice = (f"{holder} needs at least {_fmt(at_once)} resident at once (what it pins plus this request), "
                       f"which with the unevictable bytes is more than the budget. Raise the budget to at least "
                       f"{_fmt(at_once + unevictable)}")
         else:
             advice = (f"The pinned and unevictable blocks split the rest into ranges too small for this request. "
-                      f"Raise the budget (at least {_fmt(requested - largest_window)} more would be needed for this "
+                      f"Raise the budget (at least {_fmt(need - largest_window)} more would be needed for this "
                       f"request)")
         super().__init__(
-            f"cannot place {_fmt(requested)}{what}: the budget is {_fmt(budget)}, of which {_fmt(pinned)} is pinned "
+            f"cannot place {_fmt(requested)}{what}{f' ({_fmt(need)} aligned)' if need != requested else ''}: the "
+            f"budget is {_fmt(budget)}, of which {_fmt(pinned)} is pinned "
             f"for {holder} (its inputs, its outputs placed so far and the inputs of any recompute it needs) and "
             f"{_fmt(unevictable)} is held by unevictable tensors; the largest contiguous range that eviction could "
             f"free is {_fmt(largest_window)}. {advice}, use a smaller batch, or keep fewer tensors alive across the "
@@ -69,17 +71,22 @@ class Thrashing(CoopArenaError):
     so the Budget stays usable.
     """
 
-    def __init__(self, recompute_cost: float, compute_cost: float, max_overhead: float, op: str | None = None):
+    def __init__(self, recompute_cost: float, compute_cost: float, max_overhead: float, op: str | None = None,
+                 budget: int | None = None):
         self.recompute_cost = recompute_cost
         self.compute_cost = compute_cost
         self.max_overhead = max_overhead
         self.op = op
+        self.budget = budget
         where = f" while rebuilding an input of {op}" if op else ""
+        overhead = (compute_cost + recompute_cost) / max(compute_cost, 1e-30)
+        size = f" of {_fmt(budget)}" if budget is not None else ""
         super().__init__(
-            f"recomputation{where} has cost {recompute_cost:.4g}, {recompute_cost / max(compute_cost, 1e-30):.2f}x "
-            f"the {compute_cost:.4g} of the ops run so far, past the limit of max_overhead={max_overhead:g} "
-            f"(overhead = (compute + recompute) / compute). The budget is too small for this step to run at that "
-            f"overhead: raise the budget, use a smaller batch, or raise max_overhead (None for no limit)."
+            f"the step's overhead has reached {overhead:.2f}x{where}, past the limit of max_overhead={max_overhead:g} "
+            f"(overhead = (compute + recompute) / compute: recomputation has cost {recompute_cost:.4g}, "
+            f"{recompute_cost / max(compute_cost, 1e-30):.2f}x the {compute_cost:.4g} of the ops run so far). The "
+            f"budget{size} is too small for this step to run at that overhead: raise the budget, use a smaller "
+            f"batch, or raise max_overhead (None for no limit)."
         )
 
 

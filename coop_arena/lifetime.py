@@ -90,7 +90,7 @@ import weakref
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass, transform_subclass
 
-from .errors import CoopArenaError, OutOfBudget, _internal_assert
+from .errors import CoopArenaError, OutOfBudget, _fmt, _internal_assert
 from .recipe import dead_ref, plain_dispatch
 from .storage import State, Storage
 from .tensor import Tensor, adopt
@@ -272,8 +272,10 @@ class Lifetime:
                     raise _Dropped("was freed when the op that made it failed")
                 if s.state is State.EVICTED:
                     if failed:
-                        raise _Dropped("was evicted when its Budget ended and the block ended with an error before "
-                                       "it could be copied out")
+                        raise _Dropped(f"of {_fmt(s.nbytes)} had been evicted to make room, and the block ended with "
+                                       f"an error before it could be copied out (a failed block replays nothing), so "
+                                       f"its value is gone. Run the step again to recompute it, or read what you need "
+                                       f"from it inside the block (t.item(), t.tolist()) before the error")
                     before, cost = self.counters.rematerializations, self.counters.recompute_cost
                     self.remat.restore(s)
                     self.counters.exit_rematerializations += self.counters.rematerializations - before

@@ -339,9 +339,9 @@ class Memory:
                 _, sizes, kind, _, _ = self._columns()
                 blocked = sizes[kind == BLOCKED]  # pinned for the op in progress, or unevictable
                 held = np.array([self._slots[o - 1].pins > 0 for o in table.owners[kind == BLOCKED].tolist()], bool)
-                raise OutOfBudget(s.nbytes, table.nbytes, int(blocked[~held].sum()),
+                raise OutOfBudget(s.nbytes, table.usable, int(blocked[~held].sum()),
                                   _policy.largest_window(sizes, kind), op, pinned=int(blocked[held].sum()),
-                                  restore=s.sid < self._next_sid)  # a restored storage already has its id
+                                  restore=s.sid < self._next_sid, need=need)  # a restored storage already has its id
             at = self._apply(plan, need, dt, moves, slide)
         slot = self._free_slots.pop() if self._free_slots else self._new_slot()
         s.offset = table.place(at, need, slot + 1, high=self.partition and not s.expensive)

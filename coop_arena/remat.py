@@ -273,7 +273,7 @@ class Remat:
     def _check_thrashing(self, op) -> None:
         c = self.counters
         if self.max_overhead is not None and c.recompute_cost > (self.max_overhead - 1.0) * c.compute_cost:
-            raise Thrashing(c.recompute_cost, c.compute_cost, self.max_overhead, op)
+            raise Thrashing(c.recompute_cost, c.compute_cost, self.max_overhead, op, budget=self.memory.budget)
 
     def _replay(self, s: Storage, op, shadows: dict) -> None:
         """Place evicted `s` (pinned), then replay its producer and writes into it. Its inputs are resident."""

@@ -242,7 +242,8 @@ def test_lost_tensor_raises_tensor_lost_everywhere(case, path):
             raise KeyError("the step failed")
     assert budget.stats.dropped >= 1
     why = t._cell.storage.payload.lost
-    assert why and "ended with an error" in why
+    assert why and "ended with an error" in why and "Run the step again" in why  # and what to do
+    assert f"of {t._cell.storage.nbytes // 1024}.00 KiB ({t._cell.storage.nbytes} bytes) had been evicted" in why
     if path in ("repr", "format"):  # printing shows why instead of raising
         assert why in PATHS[path](t)
         return
