@@ -17,6 +17,8 @@ it uncompiled under any dispatch mode, and keeps it uncompiled afterwards until 
 
 from __future__ import annotations
 
+import math
+import numbers
 import sys
 import threading
 import warnings
@@ -144,6 +146,10 @@ class Budget:
                  recomputable_inplace: bool = True, alignment: int = 512, cheap_density: float = 4.0,
                  trace_len: int = 10_000, max_overhead: float | None = None, relocate: bool = True,
                  backend: str = "torch"):
+        # numpy and other integer types count as ints (numbers.Integral); bool does not
+        nbytes, trace_len, alignment = (_integer(v) for v in (nbytes, trace_len, alignment))
+        if isinstance(max_overhead, numbers.Real) and not isinstance(max_overhead, bool):
+            max_overhead = float(max_overhead)
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"nbytes must be a positive int number of bytes, got {nbytes!r} "
                              f"(for example coop_arena.Budget(4 << 30) for 4 GiB)")
@@ -264,6 +270,13 @@ class Budget:
             finally:
                 try:
                     self._stats = self._collect(rt)
+                    if exc_type is None and not rt.counters.ops and rt.counters.off_arena:
+                        warnings.warn(
+                            f"none of this block's ops ran in {self!r}: all {rt.counters.off_arena} read only tensors "
+                            f"on {rt.counters.off_arena_device} and ran there, outside the arena, so nothing was "
+                            f"counted or capped. Put the model and its inputs on {self.device} (a dry run: "
+                            f"model.to('meta')), or make the Budget with device='{rt.counters.off_arena_device}'",
+                            RuntimeWarning, stacklevel=2)
                     self._trace = list(self.memory.trace.events)
                     rt.close()
                     self._bookkeeping.settle = None
@@ -285,7 +298,9 @@ class Budget:
                 "instead of letting it run on")
         c = self._runtime.counters
         held = max(c.live_peak, 1)
-        suggest = min(1.0, 2.0 * (c.working_set_peak + c.unevictable_peak) / held)
+        # twice the lower bound seen so far, and never a budget at or below this one, which already thrashes
+        suggest = min(1.0, max(2.0 * (c.working_set_peak + c.unevictable_peak) / held,
+                               math.ceil(round((self.memory.budget / held + 0.05) * 20, 6)) / 20))
         return (f"The budget of {_fmt(self.memory.budget)} is {self.memory.budget / held:.2f} of the "
                 f"{_fmt(c.live_peak)} this step has held in tensors so far, too small to run without recomputing "
                 f"much of it; steps of the paper's models fit at low overhead from about twice their lower bound, "
@@ -327,6 +342,11 @@ class Budget:
 
     def check_invariants(self) -> None:
         self.memory.check_invariants()
+
+
+def _integer(v):
+    """`v` as a Python int when it is an integer of another type (numpy's), else unchanged."""
+    return int(v) if isinstance(v, numbers.Integral) and not isinstance(v, (bool, int)) else v
 
 
 def _warn_if_compiled(module, args) -> None:

@@ -177,8 +177,10 @@ class Dispatch:
         try:
             owner = self.owners(leaves, func)
             mine = {s.sid: s for s in owner.values()}
-            if not mine and ((self.bookkeeping is not None and self.bookkeeping.active())  # See bookkeeping.py
-                             or self._off_arena(leaves, kwargs)):
+            engines = not mine and self.bookkeeping is not None and self.bookkeeping.active()  # See bookkeeping.py
+            if not mine and (engines or self._off_arena(leaves, kwargs)):
+                if not engines:
+                    self._count_off_arena(leaves)
                 written = [v for _, value in self._written(call, args, kwargs)
                            for v in (value if isinstance(value, (list, tuple)) else [value]) if v is not None]
                 return run_outside(self, func, args, kwargs, written)
@@ -284,6 +286,13 @@ class Dispatch:
             return False
         devices = [x.device for x in leaves if isinstance(x, torch.Tensor)]
         return bool(devices) and all(d != self.device for d in devices)
+
+    def _count_off_arena(self, leaves) -> None:
+        """An op that ran on another device than the arena's: a block whose ops all did is told at its end."""
+        c = self.counters
+        if not c.off_arena:
+            c.off_arena_device = str(next(x.device for x in leaves if isinstance(x, torch.Tensor)))
+        c.off_arena += 1
 
     def _host_index(self, call: _Call) -> bool:
         """Whether a factory op asks for an integer or bool tensor on the CPU by name in a dry run on meta: it stays

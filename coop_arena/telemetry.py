@@ -63,6 +63,8 @@ class RuntimeCounters:
     placed_bytes: int = 0           # output bytes written into the arena, replays included
     temporary_bytes: int = 0        # of those, bytes computed into a temporary first and copied in
     temporary_peak: int = 0         # largest sum of one op's temporaries (alive at once, outside the arena)
+    off_arena: int = 0              # ops that read only tensors on another device and ran there (dispatch)
+    off_arena_device: str = ""     # the device of the first of them
 
     def count_placed(self, nbytes: int, via_temporary: int, alive: int) -> None:
         """An op (or replay) wrote `nbytes` of outputs into the arena, `via_temporary` of them through temporaries

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gc
+import re
 import threading
+import warnings
 import weakref
 
 import pytest
@@ -21,6 +23,47 @@ from training import bitwise_equal, state, train
 def test_bad_budget_size(nbytes):
     with pytest.raises(ValueError, match="positive int"):
         coop_arena.Budget(nbytes, device="cpu")
+
+
+def test_numpy_integers_are_integers():
+    """np.int64(1 << 20) was refused as "not a positive int" (while np.float64 was taken for max_overhead)."""
+    np = pytest.importorskip("numpy")
+    budget = coop_arena.Budget(np.int64(1 << 20), device="cpu", alignment=np.int32(256), trace_len=np.int64(100),
+                               max_overhead=np.int64(10))
+    assert budget.memory.budget == 1 << 20 and budget.max_overhead == 10.0
+    with budget:
+        (torch.ones(4) * 2).sum()
+
+
+def test_out_of_budget_counts_aligned_bytes_and_its_advice_fits():
+    """The message gave the bytes asked for (900) as the budget, where 512 are usable at 512-byte alignment, and
+    advised a budget under which the same op failed again: the request is placed rounded up to the alignment."""
+    def attempt(nbytes):
+        try:
+            with coop_arena.Budget(nbytes, device="cpu"):
+                a = torch.ones(100)  # 400 bytes, 512 placed
+                a * 2  # 400 more while `a` is pinned as its input
+        except coop_arena.OutOfBudget as e:
+            return e
+    e = attempt(900)
+    assert e.budget == 512 and "the budget is 512 bytes" in str(e) and "(512 bytes aligned)" in str(e)
+    advised = int(re.search(r"Raise the budget to at least [^(]*\((\d+) bytes\)", str(e)).group(1))
+    assert advised == 1024 and attempt(advised) is None
+
+
+def test_a_block_whose_ops_all_ran_on_another_device_says_so():
+    """A CPU model in a Budget on another device (here meta; a GPU machine's default is cuda) ran entirely outside
+    the arena, uncounted and uncapped, without a word."""
+    lin, x = nn.Linear(8, 8), torch.randn(2, 8)
+    budget = coop_arena.Budget(4096, device="meta")
+    with pytest.warns(RuntimeWarning, match=r"none of this block's ops ran in .*on cpu.*device='cpu'"):
+        with budget:
+            lin(x).sum().backward()
+    assert budget.stats.ops == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a block with ops in the arena: no warning
+        with budget:
+            (torch.ones(4, device="meta") * 2).sum()
 
 
 @pytest.mark.parametrize("alignment", [4, 8, 24, 0, -16, 16.0, True, "512"])
