@@ -61,7 +61,7 @@ import warnings
 
 import torch
 
-from .errors import OutOfBudget, TensorLost, Thrashing, _internal_assert
+from .errors import OutOfBudget, TensorLost, Thrashing, UnsupportedOp, _internal_assert
 from .lifetime import keeps_dead
 from .memory import Memory
 from .recipe import ArgRef, Recipe, replaying
@@ -322,6 +322,14 @@ class Remat:
             with replaying(recipe):
                 out = recipe.func(*args, **kwargs)
             o = out[d.index] if isinstance(out, (tuple, list)) else out
+            size = tuple(o.size())
+            if placement.span_bytes(size, placement.layout(size, o.stride()), o.element_size()) != s.nbytes:
+                # its bytes would not fill the range, or would run into the next block's
+                raise UnsupportedOp(recipe.func, f"its replay gave an output of shape {list(size)} "
+                                                 f"({o.numel() * o.element_size()} bytes) where its first run placed "
+                                                 f"{s.nbytes} bytes: its result is not a function of its inputs "
+                                                 f"(a nondeterministic kernel, or random draws the Budget does not "
+                                                 f"see), so it cannot be recomputed")
             self.copy_into(offset, o)
             nbytes = o.numel() * o.element_size()
             self.counters.count_placed(nbytes, nbytes, sum(x.numel() * x.element_size() for x in

@@ -628,3 +628,75 @@ def test_sparse_outputs_are_refused_with_a_typed_error_and_the_budget_stays_usab
         loss = dense(idx).square().sum()
         loss.backward()
     assert dense.weight.grad is not None and budget.stats.ops > 0 and budget.memory.used_bytes == 0
+
+
+def _shrunk_outs(x):
+    h = x * 2
+    idx = torch.full((64, 2), -1, dtype=torch.long)
+    torch.nonzero(h > 0.5, out=idx)
+    sel = torch.full((100,), -7.0)
+    torch.masked_select(h, h > 0.5, out=sel)
+    return [idx * 1, sel * 1]
+
+
+@pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")  # PyTorch's, as in plain
+def test_an_out_argument_that_a_data_dependent_op_shrinks_takes_the_new_shape():
+    """nonzero(out=) and masked_select(out=) into an arena tensor larger than the result: PyTorch resizes `out` to
+    the result's shape; under a Budget the wrapper kept its old shape and its stale tail (no plan knows the shape
+    of such an op, and its view in the arena cannot grow, but it can shrink)."""
+    from test_exactness import EvictAll
+    torch.manual_seed(0)
+    x = torch.randn(8, 8)
+    want = _shrunk_outs(x)
+    assert want[0].shape[0] < 64 and want[1].shape[0] < 100
+    got = _inside(lambda: _shrunk_outs(x))
+    stress = coop_arena.Budget(1 << 20, device="cpu")
+    with EvictAll(stress):  # every write replayed at each read
+        stressed = _shrunk_outs(x)
+    assert stress.stats.rematerializations > 0
+    for out in (got, stressed):
+        assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(want, out))
+
+
+@torch.library.custom_op("coop_test::keep_first", mutates_args=())
+def _keep_first(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    return x[: int(_KEEP[0])].clone()  # how many rows: read from outside its arguments, as a nondeterministic kernel
+
+
+_KEEP = [173]
+
+
+@_keep_first.register_fake
+def _(x, n):
+    return x.new_empty(torch.library.get_ctx().new_dynamic_size(), *x.shape[1:])
+
+
+def test_a_replay_whose_output_has_another_size_is_refused_and_overwrites_nothing():
+    """A replay of an op whose output size is not a function of its inputs (a kernel with float atomics upstream
+    of a nonzero on a GPU) was copied into the range of its first run without a size check: a larger one ran
+    into the next block, a live tensor of the user's."""
+    _KEEP[0] = 173
+    budget = coop_arena.Budget(1 << 20, device="cpu")
+    with budget:
+        x = torch.randn(256, 16)
+        k = _keep_first(x * 1, torch.zeros(()))
+        guards = [torch.ones(4096) for _ in range(50)]  # live tensors filling the arena around k
+        budget.memory.evict(k._cell.storage)  # as a tight budget would: the restore reuses k's old range
+        _KEEP[0] = 255
+        with pytest.raises(coop_arena.UnsupportedOp, match=r"replay gave an output of shape \[255, 16\].*11072 bytes"):
+            k.sum()
+        assert all(bool((g == 1).all()) for g in guards)
+        budget.check_invariants()
+
+
+def test_a_dry_run_of_an_op_whose_shape_depends_on_the_data_says_why():
+    """Meta tensors have no data: nonzero, masked_select, unique, boolean indexing, .item() cannot run in a dry
+    run. It failed with the meta kernel's NotImplementedError (suggesting an internal torch.fx flag)."""
+    budget = coop_arena.Budget(1 << 20, device="meta")
+    x = torch.randn(64, 16, device="meta")
+    for step in (lambda: torch.nonzero(x * 2 > 0), lambda: (x * 2)[x[:, 0] > 0], lambda: torch.unique(x * 2)):
+        with pytest.raises(coop_arena.UnsupportedOp, match="a dry run on meta has no data.*real run on the CPU"):
+            with budget:
+                step()
+    with budget:  # still usable
+        (x * 2).sum()
