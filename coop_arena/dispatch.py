@@ -71,6 +71,9 @@ _STATS = ("running_mean", "running_var")
 # the bytes the write left), and the backward's outputs are kept too (their recipe read the reserve before it).
 _RESERVE_WRITES = (aten._cudnn_rnn_backward.default, aten.miopen_rnn_backward.default)
 
+# Ops whose output shape, or a Python value they return, depends on tensor values (Dispatch._call_op)
+_DATA_DEPENDENT = {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output}
+
 
 def _named(call: _Call, name: str) -> tuple:
     """(position, value) of the op's schema argument `name` in this call (None where left at its default)."""
@@ -230,7 +233,7 @@ class Dispatch:
     def _execute(self, call: _Call):
         """Run an op that writes its arguments on plain tensors; returns (outputs, output leaves, recipe)."""
         rng = capture_rng(self.device, call.op, call.pargs, call.pkwargs)
-        out = call.func(*call.pargs, **call.pkwargs)
+        out = self._call_op(call)
         if call.op.random is None:  # Note [Custom ops that draw]
             rng = _drew(call, rng)
         out_leaves = list(out) if isinstance(out, (tuple, list)) else [out]
@@ -240,6 +243,20 @@ class Dispatch:
         recipe = Recipe.make(call.func, rargs, rkwargs, rng, cost, uninitialized=call.op.uninitialized,
                              grad_mode=torch.is_grad_enabled())
         return out, out_leaves, recipe
+
+    def _call_op(self, call: _Call):
+        """Run the op on its plain arguments. In a dry run, an op whose outputs' shapes or values depend on the data
+        (nonzero, masked_select, unique, boolean indexing, .item()) has nothing to compute them from: that is said
+        with a typed error instead of the meta kernel's NotImplementedError."""
+        try:
+            return call.func(*call.pargs, **call.pkwargs)
+        except (NotImplementedError, RuntimeError) as e:
+            if self.device.type == "meta" and _DATA_DEPENDENT & set(call.func.tags):
+                raise UnsupportedOp(call.func, "a dry run on meta has no data, and this op's output depends on it "
+                                               "(its shape, or a Python value read from a tensor). Plan such a step "
+                                               "with a real run on the CPU, or make the op static (nonzero_static, "
+                                               "repeat_interleave with output_size, dense dispatch masks)") from e
+            raise
 
     def _account(self, cost: float) -> None:
         self.counters.ops += 1
@@ -464,7 +481,7 @@ class Dispatch:
         if written is None:  # Note [Probing for hidden writes]
             probe = _probe(externals)
         rng = capture_rng(self.device, call.op, call.pargs, call.pkwargs)
-        out = func(*call.pargs, **call.pkwargs)
+        out = self._call_op(call)
         if call.op.random is None:  # Note [Custom ops that draw]
             rng = _drew(call, rng)
         out_leaves = list(out) if isinstance(out, (tuple, list)) else [out]
@@ -617,6 +634,8 @@ class Dispatch:
                                                "shape), which a tensor in the arena cannot be; call the op without "
                                                "out=") from e
             raise
+        if fixed:
+            self._follow_resized_outs(call)
         for s in targets:
             if replayable and s.payload.recipe is not None:
                 s.payload.mutations.append(recipe)
@@ -658,6 +677,17 @@ class Dispatch:
                 call.pkwargs[name] = with_bits(view, v.is_conj(), v.is_neg())
                 fixed = True
         return fixed
+
+    def _follow_resized_outs(self, call: _Call) -> None:
+        """An out= kernel may shrink its `out` to a shape only the data decides (nonzero.out, masked_select.out: no
+        plan knew it). Its view cannot grow (_fix_out_args), so the new shape lies inside the storage: the wrapper
+        takes it, as PyTorch's resize of `out` does; a replay of the write resizes its own view alike."""
+        for _, name, kw_only, _ in call.op.written:
+            t, v = call.kwargs.get(name) if kw_only else None, call.pkwargs.get(name) if kw_only else None
+            if (isinstance(t, Tensor) and isinstance(v, torch.Tensor)
+                    and (t.size() != v.size() or t.stride() != v.stride())):
+                with torch._C._DisableTorchDispatch():
+                    torch.Tensor.as_strided_(t, v.size(), v.stride(), t.storage_offset())
 
     def _results_of_write(self, call: _Call, out, inputs):
         """An output aliasing a written argument is that argument's original object (autograd expects `self`)."""

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .budget import Budget
-from .errors import OutOfBudget
+from .errors import OutOfBudget, UnsupportedOp
 from .policy import POLICIES
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30,
@@ -94,7 +94,10 @@ def plan(spec: str, batch: int | None, budget_text: str, console: Console | None
     batch = default_batch(spec, batch)
     model, inputs = load(spec, batch)
     probe = Budget(1 << 50, device="meta")
-    step(model, inputs, probe)
+    try:
+        step(model, inputs, probe)
+    except UnsupportedOp as e:  # (an op a dry run cannot run: the command says so in one line)
+        raise ValueError(f"{spec!r} cannot be planned in a dry run: {e}") from e
     peak, lower = probe.stats.peak_bytes, probe.stats.lower_bound
     nbytes = int(value * peak) if kind == "ratio" else int(value)
     result = {"model": spec, "batch": batch, "plain_peak": peak, "lower_bound": lower, "budget": nbytes,

@@ -80,3 +80,23 @@ def test_cli_evaluate_refuses_an_unknown_model(capsys, tmp_path):
     with pytest.raises(SystemExit):
         main(["evaluate", "--models", "resnet5O", "--out", str(tmp_path / "out")])
     assert "unknown model 'resnet5O'" in capsys.readouterr().err
+
+
+def test_plan_of_a_model_a_dry_run_cannot_run_is_one_line(tmp_path, monkeypatch, capsys):
+    """A step with an op whose output shape depends on the data (a mixture of experts' token dispatch) cannot run
+    on meta: `coop-arena plan` printed the traceback."""
+    (tmp_path / "routed.py").write_text(
+        "import torch\n"
+        "class Routed(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.lin = torch.nn.Linear(8, 8)\n"
+        "    def forward(self, x):\n"
+        "        return self.lin(x[x[:, 0] > 0])\n"
+        "def build(batch):\n"
+        "    return Routed(), (torch.randn(batch, 8),)\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        main(["plan", "routed:build"])
+    err = capsys.readouterr().err
+    assert "cannot be planned in a dry run" in err and "a dry run on meta has no data" in err
