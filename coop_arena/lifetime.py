@@ -92,7 +92,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass, transfor
 
 from .errors import CoopArenaError, OutOfBudget, _fmt, _internal_assert
 from .recipe import dead_ref, plain_dispatch
-from .storage import State, Storage
+from .storage import State, Storage, prune
 from .tensor import Tensor, adopt
 
 
@@ -184,8 +184,7 @@ class Lifetime:
                 self.dead.append(s)
                 continue
             self.live.pop(s.sid, None)
-            readers = _readers(s)
-            if not readers:
+            if not _has_readers(s):
                 self.forget(s)
             elif s.payload.recipe is None:
                 continue  # unevictable: it stays until its readers go (they will find it resident)
@@ -229,7 +228,7 @@ class Lifetime:
                 s.payload.drop_recipe()
                 self.written.pop(s.sid, None)
             for p in inputs:
-                if p.payload.wrappers == 0 and p.pins == 0 and p.state is not State.FREED and not _readers(p):
+                if p.payload.wrappers == 0 and p.pins == 0 and p.state is not State.FREED and not _has_readers(p):
                     self.live.pop(p.sid, None)
                     work.append(p)
 
@@ -375,6 +374,20 @@ def _evicted_readers(s: Storage):
                 seen.add(r.sid)
                 work.append(r)
                 yield r
+
+
+def _has_readers(s: Storage) -> bool:
+    """`bool(_readers(s))`, stopping at the first reader, and dropping the gone or freed ones it passed
+    (storage.prune): asked at each death of one of `s`'s readers, a full walk was O(readers) per op."""
+    freed = State.FREED
+    for i, ref in enumerate(s.consumers):
+        r = ref()
+        if r is not None and r is not s and r.state is not freed and r.payload.recipe is not None:
+            if i:
+                prune(s, i)
+            return True
+    prune(s)
+    return False
 
 
 def _readers(s: Storage) -> list:

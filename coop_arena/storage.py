@@ -70,6 +70,23 @@ class Storage:
                 yield r
 
 
+def _gone(ref) -> bool:
+    r = ref()
+    return r is None or r.state is State.FREED
+
+
+def prune(s: Storage, upto: int | None = None) -> None:
+    """Drop the references in `s.consumers[:upto]` to readers that are gone or freed (a freed storage never comes
+    back). Every walk skips them anyway; left in place, a storage read by many short-lived readers (a gradient
+    fanned out to N ops, a base split into N views) was walked whole at each one's death: O(N) per op. Called
+    between ops only (lifetime._has_readers), never while a walk over `s.consumers` is under way."""
+    refs = s.consumers
+    head = refs if upto is None else refs[:upto]
+    kept = [ref for ref in head if not _gone(ref)]
+    if len(kept) != len(head):
+        refs[:len(head)] = kept
+
+
 def add_input(child: Storage, parent: Storage) -> None:
     child.inputs.append(parent)
     parent.consumers.append(weakref.ref(child))

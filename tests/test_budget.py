@@ -664,3 +664,22 @@ def test_soak_500_steps_occupancy_and_objects():
             counts.append(len(gc.get_objects()))
     assert evictions > 0
     assert counts[1] <= counts[0], f"live objects grew from {counts[0]} to {counts[1]}"
+
+
+def test_a_storage_read_by_many_short_lived_readers_forgets_them():
+    """Each death of a reader asked whether the storage still had readers by walking every reference it had ever
+    had, freed readers included: O(N) per op for a gradient fanned out to N ops, or a base split into N views
+    (measured: 90 -> 275 us per op from 1,000 to 8,000 readers). The question now stops at the first reader and
+    drops the freed ones it passed."""
+    from types import SimpleNamespace
+    from coop_arena.storage import Storage, add_input
+    s = Storage(sid=0, nbytes=512, cost=1.0, evictable=True, expensive=False)
+    readers = [Storage(sid=i, nbytes=512, cost=1.0, evictable=True, expensive=False,
+                       payload=SimpleNamespace(recipe=object())) for i in range(1, 1001)]
+    for r in readers:
+        add_input(r, s)
+    for r in readers[:-1]:
+        r.state = State.FREED
+    assert lifetime._has_readers(s) and len(s.consumers) == 1 and s.consumers[0]() is readers[-1]
+    readers[-1].state = State.FREED
+    assert not lifetime._has_readers(s) and s.consumers == []
