@@ -48,15 +48,19 @@ class Recipe:
     uninitialized: bool = False
     grad_mode: bool = True  # some kernels return different outputs with grad mode off (mkldnn_rnn_layer's workspace)
     reads: tuple = ()       # the storages its ArgRefs name, in first-seen order (filled by `make`)
+    versions: frozenset = frozenset()  # (sid, version) of each storage it reads as it was then (filled by `make`)
     direct: object = None   # placement.OpPlan when its out= variant writes into the arena (Note [Direct placement])
 
     @staticmethod
     def make(func, args, kwargs, rng, cost, *, uninitialized=False, grad_mode=True, direct=None) -> "Recipe":
         seen: dict[int, Storage] = {}
+        versions = set()
         for a in ops.flatten(args, kwargs)[0]:
             if isinstance(a, ArgRef):
                 seen.setdefault(a.storage.sid, a.storage)
-        return Recipe(func, args, kwargs, rng, cost, uninitialized, grad_mode, tuple(seen.values()), direct)
+                versions.add((a.storage.sid, a.version))
+        return Recipe(func, args, kwargs, rng, cost, uninitialized, grad_mode, tuple(seen.values()),
+                      frozenset(versions), direct)
 
     def without_arg(self, pos: int) -> None:
         """Record the positional argument `pos` as None (an external tensor the op wrote, Rule 5)."""

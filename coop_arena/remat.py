@@ -412,8 +412,9 @@ class Remat:
             self.freeze_readers(s)
             return
         old = sum(r.cost for r in d.recipes())
+        version = d.version
         for r in s.readers():
-            if r is not s and r.payload.recipe is not None:
+            if r is not s and r.payload.recipe is not None and _reads_version(r, s, version):
                 self.memory.extend(r, old, s.inputs)
 
     def freeze_readers(self, s: Storage) -> None:
@@ -478,3 +479,8 @@ class _Node:
         return [seen[k] for k in sorted(seen)]
 
 
+def _reads_version(r: Storage, s: Storage, version: int) -> bool:
+    """Whether a recipe of `r` reads `s` as it is at `version` (a reader of an older one was charged at the write
+    that ended it, Note [Old versions])."""
+    key = (s.sid, version)
+    return any(key in recipe.versions for recipe in r.payload.recipes())

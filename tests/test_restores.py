@@ -170,3 +170,20 @@ def test_plan_marks_a_budget_that_fits_only_through_the_fallback():
     assert "yes*" in out.getvalue() and "restored one at a time" in out.getvalue()
     roomy = plan("test_restores:attention_model", 8, "0.9", Console(file=io.StringIO()))
     assert all(r["fits"] and r["restores_in_turn"] == 0 for r in roomy["policies"].values())
+
+
+def test_a_reader_of_an_old_version_is_charged_that_version_once():
+    """At each in-place write every reader of the storage was charged the replay of the value before the write,
+    also the readers of older versions, charged already at the write that ended their version: the reader of
+    version 0 of ten writes cost 1792 where its replay needs 64 (Note [Old versions])."""
+    x0 = torch.randn(4, requires_grad=True)
+    with coop_arena.Budget(1 << 20, device="cpu"):
+        x = x0 * 1.0
+        keep = []
+        for _ in range(10):
+            keep.append(x.tanh())
+            x.add_(1e-3)
+        recipes = x._cell.storage.payload.recipes()  # the producer, then the ten writes
+        for k, t in enumerate(keep):  # its own op, then x's producer and first k writes (version k)
+            want = t._cell.storage.payload.recipe.cost + sum(r.cost for r in recipes[: k + 1])
+            assert t._cell.storage.cost == want, k
