@@ -156,6 +156,15 @@ class Arena:
     def bytes(self, byte_offset: int, nbytes: int) -> torch.Tensor:
         return self.buffer[byte_offset : byte_offset + nbytes]
 
+    def fixed_view(self, byte_offset: int, nbytes: int, dtype: torch.dtype, size, stride,
+                   storage_offset: int) -> torch.Tensor:
+        """Like `view`, over a storage of its own that is exactly the range [byte_offset, byte_offset + nbytes) and
+        cannot grow: a kernel that resizes it past the range raises (`grew`) before writing, where a view of the
+        whole arena would grow into the next blocks' bytes (or reallocate the arena past its end)."""
+        base = self.bytes(byte_offset, nbytes)
+        storage = torch._C._construct_storage_from_data_pointer(base.data_ptr(), self.device, nbytes)
+        return torch.empty(0, dtype=dtype, device=self.device).set_(storage, storage_offset, size, stride)
+
     # ------------------------------------------------------------------------------------------------ moves
     def move(self, src: int, dst: int, nbytes: int) -> None:
         """Copy `nbytes` bytes from arena offset `src` to `dst` (invariant 2). The ranges may overlap; the result
@@ -218,3 +227,8 @@ class Arena:
                 f"the block's ops on the stream it was entered on (enter the Budget inside `with "
                 f"torch.cuda.stream(s):` to use stream s), and order side-stream work on pinned() views with "
                 f"wait_stream on both ends")
+
+
+def grew(e: RuntimeError) -> bool:
+    """Whether `e` is PyTorch's error for a kernel resizing a storage that cannot grow (Arena.fixed_view)."""
+    return "not resizable" in str(e)

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from . import collectives, ops, placement
+from .arena import grew
 from .bookkeeping import run_outside
 from .cost import op_cost
 from .errors import BudgetUsageError, UnsupportedOp, _internal_assert
@@ -131,11 +132,6 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 class _Grows(Exception):
     """An out= kernel tried to resize a view whose storage cannot grow (Dispatch._fixed_view)."""
-
-
-def _grew(e: RuntimeError) -> bool:
-    """Whether `e` is PyTorch's error for a kernel resizing a storage that cannot grow (Dispatch._fixed_view)."""
-    return "not resizable" in str(e)
 
 
 class _Call:
@@ -251,7 +247,8 @@ class Dispatch:
         try:
             return call.func(*call.pargs, **call.pkwargs)
         except (NotImplementedError, RuntimeError) as e:
-            if self.device.type == "meta" and _DATA_DEPENDENT & set(call.func.tags):
+            if (self.device.type == "meta" and _DATA_DEPENDENT & set(call.func.tags)
+                    and (isinstance(e, NotImplementedError) or "meta" in str(e))):  # (not the user's shape error)
                 raise UnsupportedOp(call.func, "a dry run on meta has no data, and this op's output depends on it "
                                                "(its shape, or a Python value read from a tensor). Plan such a step "
                                                "with a real run on the CPU, or make the op static (nonzero_static, "
@@ -414,7 +411,7 @@ class Dispatch:
                 try:
                     plan.out_op(*call.pargs, **call.pkwargs, **dict(zip(plan.out_names, views)))
                 except RuntimeError as e:
-                    if guard and _grew(e):
+                    if guard and grew(e):
                         raise _Grows from e
                     raise
                 if guard:
@@ -459,10 +456,8 @@ class Dispatch:
     def _fixed_view(self, byte_offset: int, dtype, size, stride, storage_offset: int) -> torch.Tensor:
         """An arena view like Arena.view, over a storage of its own that is exactly its range and cannot grow:
         an out= kernel that resizes it raises before writing (Note [Direct placement])."""
-        nbytes = placement.span_bytes(size, stride, dtype.itemsize)
-        base = self.arena.bytes(byte_offset, nbytes)
-        storage = torch._C._construct_storage_from_data_pointer(base.data_ptr(), self.device, nbytes)
-        return torch.empty(0, dtype=dtype, device=self.device).set_(storage, storage_offset, size, stride)
+        return self.arena.fixed_view(byte_offset, placement.span_bytes(size, stride, dtype.itemsize), dtype, size,
+                                     stride, storage_offset)
 
     def _placed(self, call: _Call, placed) -> None:
         for s in placed:
@@ -629,7 +624,7 @@ class Dispatch:
         try:
             out, _, recipe = self._execute(call)
         except RuntimeError as e:
-            if fixed and _grew(e):
+            if fixed and grew(e):
                 raise UnsupportedOp(call.func, "its kernel resizes its out= argument on the way (beyond its final "
                                                "shape), which a tensor in the arena cannot be; call the op without "
                                                "out=") from e

@@ -61,6 +61,7 @@ import warnings
 
 import torch
 
+from .arena import grew
 from .errors import OutOfBudget, TensorLost, Thrashing, UnsupportedOp, _internal_assert
 from .lifetime import keeps_dead
 from .memory import Memory
@@ -338,8 +339,15 @@ class Remat:
             cost += recipe.cost
         for k, m in enumerate(d.mutations[:version]):
             margs, mkwargs = self.views(m, shadows, s, k, offset)
-            with replaying(m):
-                m.func(*margs, **mkwargs)
+            try:
+                with replaying(m):
+                    m.func(*margs, **mkwargs)
+            except RuntimeError as e:
+                if not grew(e):
+                    raise
+                raise UnsupportedOp(m.func, f"its replay resized its out= argument past the {s.nbytes} bytes its "
+                                            f"first run wrote: its result is not a function of its inputs (a "
+                                            f"nondeterministic kernel upstream), so it cannot be recomputed") from e
             cost += m.cost
         return cost
 
@@ -366,6 +374,10 @@ class Remat:
                 s = a.storage
                 if s is self_storage:
                     _internal_assert(a.version == version, f"write {version} of storage {s.sid} read version {a.version}")
+                    if not self.meta:  # the write may resize its out= view: never past the storage's range
+                        flat[i] = with_bits(self.arena.fixed_view(self_offset, s.nbytes, a.dtype, a.size, a.stride,
+                                                                  a.offset), a.conj, a.neg)
+                        continue
                     offset = self_offset
                 elif a.version == s.payload.version:
                     _internal_assert(s.state is State.RESIDENT, f"storage {s.sid} is {s.state.value} during a replay")

@@ -700,3 +700,46 @@ def test_a_dry_run_of_an_op_whose_shape_depends_on_the_data_says_why():
                 step()
     with budget:  # still usable
         (x * 2).sum()
+
+
+_take_rows_lib = torch.library.Library("coop_test_rows", "DEF")
+_take_rows_lib.define("take_rows.out(Tensor x, *, Tensor(a!) out) -> Tensor(a!)")
+
+
+def _take_rows_out(x, *, out):  # how many rows: read from outside its arguments, as a nondeterministic kernel
+    out.resize_(_KEEP[0])
+    return out.copy_(x[: _KEEP[0]])
+
+
+_take_rows_lib.impl("take_rows.out", _take_rows_out, "CPU")
+
+
+def test_a_replayed_write_cannot_resize_its_out_past_its_storage():
+    """An out= write that shrinks its `out` is followed (above); its replay ran into a plain arena view that could
+    grow, so a replay that found more rows wrote into the next blocks, and at the top of the arena reallocated the
+    arena itself. The replay's view is its storage's range and cannot grow: it is refused."""
+    _KEEP[0] = 10
+    budget = coop_arena.Budget(1 << 20, device="cpu")
+    with budget:
+        x = torch.arange(4096.0) * 1
+        buf = torch.full((64,), -1.0)
+        torch.ops.coop_test_rows.take_rows.out(x, out=buf)
+        assert buf.shape == (10,) and torch.equal(buf, torch.arange(10.0))
+        guards = [torch.ones(64) for _ in range(200)]  # live tensors around buf
+        budget.memory.evict(buf._cell.storage)
+        _KEEP[0] = 1000
+        with pytest.raises(coop_arena.UnsupportedOp, match="resized its out= argument past the 256 bytes"):
+            buf.sum()
+        assert all(bool((g == 1).all()) for g in guards)
+        assert budget.arena.buffer.untyped_storage().nbytes() == 1 << 20
+
+
+def test_a_dry_run_reports_a_users_shape_error_as_such():
+    """aten.index.Tensor carries the data-dependent tag (for boolean masks): integer indices that do not broadcast,
+    an ordinary error, were reported as an op a dry run cannot run."""
+    x = torch.randn(8, 8, device="meta")
+    i, j = torch.zeros(3, dtype=torch.long, device="meta"), torch.zeros(4, dtype=torch.long, device="meta")
+    with pytest.raises(Exception, match="broadcast") as err:
+        with coop_arena.Budget(1 << 20, device="meta"):
+            (x * 1)[i, j]
+    assert not isinstance(err.value, coop_arena.UnsupportedOp)
