@@ -148,8 +148,8 @@ class Budget:
                  backend: str = "torch"):
         # numpy and other integer types count as ints (numbers.Integral); bool does not
         nbytes, trace_len, alignment = (_integer(v) for v in (nbytes, trace_len, alignment))
-        if isinstance(max_overhead, numbers.Real) and not isinstance(max_overhead, bool):
-            max_overhead = float(max_overhead)
+        max_overhead, cheap_density = (float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else v
+                                       for v in (max_overhead, cheap_density))
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"nbytes must be a positive int number of bytes, got {nbytes!r} "
                              f"(for example coop_arena.Budget(4 << 30) for 4 GiB)")

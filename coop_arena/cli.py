@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -29,6 +30,8 @@ def main(argv=None) -> int:
     ev.add_argument("--out", default="evaluation", help="folder for results.json, summary.md and the figures")
     ev.add_argument("--jobs", type=int, default=1, help="worker processes, one model each at a time")
     args = parser.parse_args(argv)
+    if "" not in sys.path and os.getcwd() not in sys.path:  # the installed script: module:function models import
+        sys.path.insert(0, os.getcwd())                     # from the current directory, as under `python -m`
     if args.command == "evaluate":
         from .evaluate import CONFIGS, QUICK, QUICK_MODELS, SUITE, Sweep, evaluate
         if args.batch is not None and args.batch <= 0:

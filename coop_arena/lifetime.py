@@ -143,7 +143,7 @@ class Lifetime:
     def rebind(self, t: Tensor, cell) -> None:
         """`t.data = new` inside the block (tensor.py): wrapper `t` uses `cell`'s storage from now on, and no
         longer its old one, which may die with it (Note [Dead storages])."""
-        ref = next((r for r in self._refs.values() if r() is t), None)
+        ref = next((r for r in weakref.getweakrefs(t) if isinstance(r, _WrapperRef) and id(r) in self._refs), None)
         _internal_assert(ref is not None, "a wrapper of this block that Lifetime does not know")
         old, s = ref.cell.storage, cell.storage
         if old is s:

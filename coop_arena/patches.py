@@ -55,9 +55,11 @@ def close(bookkeeping) -> None:
             del _open[threading.get_ident()]
         if _open:
             return
-        for cls, name, original in reversed(_saved):
+        while _saved:  # one entry at a time: an interrupt part way leaves `_saved` naming what is still replaced
+            cls, name, original = _saved[-1]
             if original is None:
-                delattr(cls, name)  # it was inherited: the base class's comes back
+                if name in cls.__dict__:
+                    delattr(cls, name)  # it was inherited: the base class's comes back
             else:
                 setattr(cls, name, original)
-        _saved.clear()
+            _saved.pop()

@@ -59,8 +59,9 @@ Approach:
     on the device.
 Limitations: ops whose output shape depends on data (nonzero, masked_select) cannot run on `meta`: they take the
   temporary path and pay their cost model's call each time. A dry run on `meta` takes the CPU's choices, so its
-  statistics match a CPU run. The convolution rule is cuDNN's and oneDNN's (float64 stays contiguous), not the
-  CPU's fallback kernel's, which makes a float64 2-D convolution's output channels_last.
+  statistics match a CPU run, except for convolutions: their rule is cuDNN's and oneDNN's (float64 stays
+  contiguous), not the CPU's fallback kernels', which make a float64 2-D convolution's output channels_last and
+  leave a 3-D one contiguous in float16, and in float32 with a batch of one.
 """
 
 from __future__ import annotations

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import importlib
 import math
-import os
 import re
-import sys
 
 import torch
 from rich.console import Console
@@ -50,8 +48,6 @@ def load(spec: str, batch: int):
         model, inputs = suite.SUITE[spec].build(batch)
     elif ":" in spec:
         mod, fn = spec.split(":", 1)
-        if "" not in sys.path and os.getcwd() not in sys.path:  # the `coop-arena` script: as `python -m` does
-            sys.path.insert(0, os.getcwd())
         try:
             module = importlib.import_module(mod)
         except ImportError as e:

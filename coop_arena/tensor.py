@@ -109,6 +109,7 @@ class Tensor(torch.Tensor):
         holds no bytes; the wrapper must also read `new`'s bytes from then on, through `new`'s Cell."""
         runtime = self._cell.storage.payload.runtime
         if runtime is not None:  # inside the block: only a tensor of this block has arena bytes to share
+            runtime.check_thread("`t.data = new`")
             if not (isinstance(new, Tensor) and new._cell.storage.payload.runtime is runtime):
                 raise BudgetUsageError(
                     f"`t.data = new` on a tensor made inside a Budget needs `new` made inside the same block (got "
@@ -220,6 +221,7 @@ class Tensor(torch.Tensor):
         if not self._inside():
             self.as_plain()  # (a lost tensor raises TensorLost; an escaped one has bytes of its own)
             return super().apply_(callable)
+        self._check_thread("t.apply_()")
         with torch._C._DisableTorchDispatch():
             new = self._own().apply_(callable)  # (PyTorch's own errors: requires_grad, a non-CPU device)
         with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():

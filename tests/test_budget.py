@@ -29,8 +29,8 @@ def test_numpy_integers_are_integers():
     """np.int64(1 << 20) was refused as "not a positive int" (while np.float64 was taken for max_overhead)."""
     np = pytest.importorskip("numpy")
     budget = coop_arena.Budget(np.int64(1 << 20), device="cpu", alignment=np.int32(256), trace_len=np.int64(100),
-                               max_overhead=np.int64(10))
-    assert budget.memory.budget == 1 << 20 and budget.max_overhead == 10.0
+                               max_overhead=np.int64(10), cheap_density=np.float32(4))
+    assert budget.memory.budget == 1 << 20 and budget.max_overhead == 10.0 and budget.memory.cheap_density == 4.0
     with budget:
         (torch.ones(4) * 2).sum()
 
@@ -683,3 +683,34 @@ def test_a_storage_read_by_many_short_lived_readers_forgets_them():
     assert lifetime._has_readers(s) and len(s.consumers) == 1 and s.consumers[0]() is readers[-1]
     readers[-1].state = State.FREED
     assert not lifetime._has_readers(s) and s.consumers == []
+
+
+def test_an_interrupt_while_a_block_closes_its_patches_leaves_the_next_blocks_whole():
+    """The patches of an open block (torch.Tensor.data's guard among them) are put back one at a time: a Ctrl-C
+    half-way left them listed as replaced, so the next block installed none, and every exit after that raised
+    AttributeError (an inherited attribute deleted twice)."""
+    from coop_arena import patches
+
+    class Meta(type):
+        armed = True
+
+        def __setattr__(cls, name, value):
+            if Meta.armed and name == "hook":
+                Meta.armed = False
+                raise KeyboardInterrupt  # as Ctrl-C would, between two restorations
+            super().__setattr__(name, value)
+
+    class Fake(metaclass=Meta):
+        hook = 1
+
+    budget = coop_arena.Budget(1 << 20, device="cpu")
+    budget.__enter__()
+    (torch.ones(2) * 2).sum()
+    patches._saved.insert(0, (Fake, "hook", 1))  # restored last
+    with pytest.raises(KeyboardInterrupt):
+        budget.__exit__(None, None, None)
+    for _ in range(2):
+        with budget:
+            assert "data" in torch.Tensor.__dict__  # the guard is installed again
+            (torch.ones(2) * 2).sum()
+        assert "data" not in torch.Tensor.__dict__ and not patches._saved

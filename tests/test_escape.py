@@ -416,3 +416,26 @@ def test_data_assignment_outside_the_block_and_refused_cases():
     with coop_arena.Budget(1 << 20, device="cpu"):
         with pytest.raises(coop_arena.BudgetUsageError, match="earlier one"):
             h.data = X * 3
+
+
+def test_data_assignment_and_apply_from_another_thread_are_refused():
+    """Any op on a block's tensor from another thread raises BudgetUsageError (the block may move or evict its
+    bytes at any moment); `t.data = u` and `t.apply_` did not, and changed the block's wrapper counts from there."""
+    import threading
+    results = {}
+    budget = coop_arena.Budget(1 << 20, device="cpu")
+    with budget:
+        t, u = torch.ones(4) * 2, torch.ones(8) * 3
+
+        def other():
+            for name, fn in (("data", lambda: setattr(t, "data", u)), ("apply", lambda: t.apply_(lambda v: v))):
+                try:
+                    fn()
+                    results[name] = "ran"
+                except coop_arena.BudgetUsageError:
+                    results[name] = "refused"
+        th = threading.Thread(target=other)
+        th.start()
+        th.join()
+        assert t.shape == (4,) and t._cell.storage.payload.wrappers == 1
+    assert results == {"data": "refused", "apply": "refused"}

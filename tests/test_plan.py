@@ -72,8 +72,7 @@ def test_plan_imports_a_factory_from_the_current_directory(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     monkeypatch.delitem(sys.modules, "mymodels", raising=False)
-    r = plan("mymodels:build", 4, "1", Console(file=io.StringIO()))
-    assert r["policies"]["coop"]["fits"]
+    assert main(["plan", "mymodels:build", "--batch", "4", "--budget", "1"]) == 0
 
 
 def test_cli_evaluate_refuses_an_unknown_model(capsys, tmp_path):
