@@ -44,11 +44,11 @@ def main(argv=None) -> int:
         except ValueError as e:
             parser.error(str(e))
         models = args.models or (list(QUICK_MODELS) if args.quick else list(SUITE))
-        from .examples import MODELS
-        unknown = [m for m in models if m not in SUITE and m not in MODELS and ":" not in m]
-        if unknown:
-            parser.error(f"unknown model{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}: use "
-                         f"{', '.join([*SUITE, *MODELS])} or module:function")
+        from .plan import check_models
+        try:
+            check_models(models)
+        except ValueError as e:
+            parser.error(str(e))
         command = "coop-arena " + " ".join(sys.argv[1:] if argv is None else argv)
         evaluate(models, sweep, batch=args.batch, out=Path(args.out), command=command, jobs=args.jobs)
         return 0

@@ -116,18 +116,19 @@ def _drew(call: _Call, rng) -> object:
 # costs two copies to the host per argument and configuration, in the first step only.
 def _probe(externals) -> list:
     """(position, tensor, version, host copy) of the op's tensor arguments from outside the arena, before it runs."""
-    return [(pos, t, t._version, _raw(t.cpu())) for pos, t in externals]
+    return [(pos, t, t._version, _host_bytes(t)) for pos, t in externals]
 
 
 def _probed_writes(probe) -> frozenset:
     """The positions among `probe` that the op wrote (torch.equal on raw bytes: a NaN is equal to itself)."""
-    return frozenset(pos for pos, t, v, before in probe if t._version != v or not torch.equal(_raw(t.cpu()), before))
+    return frozenset(pos for pos, t, v, before in probe if t._version != v or not torch.equal(_host_bytes(t), before))
 
 
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    """A fresh contiguous copy of `t`'s bytes (contiguous() keeps a one-element tensor's stride, which may not be 1;
-    on the CPU, t.cpu() is `t` itself)."""
-    return t.resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format).view(-1).view(torch.uint8)
+def _host_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A fresh contiguous copy of `t`'s bytes in host memory, made at once (contiguous() would keep a one-element
+    tensor's stride, which may not be 1)."""
+    t = t.resolve_conj().resolve_neg()
+    return t.to("cpu", memory_format=torch.contiguous_format, copy=True).view(-1).view(torch.uint8)
 
 
 class _Grows(Exception):
@@ -630,7 +631,7 @@ class Dispatch:
                                                "out=") from e
             raise
         if fixed:
-            self._follow_resized_outs(call)
+            self._follow_resized_outs(call, fixed)
         for s in targets:
             if replayable and s.payload.recipe is not None:
                 s.payload.mutations.append(recipe)
@@ -660,27 +661,27 @@ class Dispatch:
                                                f"pass an out= tensor of shape {list(spec.size)}, or call the op "
                                                f"without out=")
 
-    def _fix_out_args(self, call: _Call) -> bool:
+    def _fix_out_args(self, call: _Call) -> list:
         """Give the op its out= arguments in the arena as views that cannot grow (_fixed_view): a kernel that
-        resizes one on the way raises before writing. Returns whether there was one."""
-        fixed = False
+        resizes one on the way raises before writing. Returns their names."""
+        fixed = []
         for _, name, kw_only, _ in call.op.written:
             v = call.pkwargs.get(name) if kw_only else None
             if isinstance(v, torch.Tensor) and self.arena.owns(v):
                 view = self._fixed_view(v.storage_offset() * v.element_size(), v.dtype, tuple(v.size()),
                                         tuple(v.stride()), 0)
                 call.pkwargs[name] = with_bits(view, v.is_conj(), v.is_neg())
-                fixed = True
+                fixed.append(name)
         return fixed
 
-    def _follow_resized_outs(self, call: _Call) -> None:
+    def _follow_resized_outs(self, call: _Call, fixed: list) -> None:
         """An out= kernel may shrink its `out` to a shape only the data decides (nonzero.out, masked_select.out: no
-        plan knew it). Its view cannot grow (_fix_out_args), so the new shape lies inside the storage: the wrapper
-        takes it, as PyTorch's resize of `out` does; a replay of the write resizes its own view alike."""
-        for _, name, kw_only, _ in call.op.written:
-            t, v = call.kwargs.get(name) if kw_only else None, call.pkwargs.get(name) if kw_only else None
-            if (isinstance(t, Tensor) and isinstance(v, torch.Tensor)
-                    and (t.size() != v.size() or t.stride() != v.stride())):
+        plan knew it). Its view cannot grow (_fix_out_args gave the `fixed` ones), so the new shape lies inside the
+        storage: the wrapper takes it, as PyTorch's resize of `out` does; a replay of the write resizes its own
+        view alike."""
+        for name in fixed:
+            t, v = call.kwargs.get(name), call.pkwargs[name]
+            if isinstance(t, Tensor) and (t.size() != v.size() or t.stride() != v.stride()):
                 with torch._C._DisableTorchDispatch():
                     torch.Tensor.as_strided_(t, v.size(), v.stride(), t.storage_offset())
 

@@ -134,6 +134,7 @@ _META_DIFFERS = {torch.ops.aten.native_batch_norm.default, torch.ops.aten._linal
 # ops whose meta kernel makes a channels_last input's output contiguous where every device keeps channels_last:
 # a dry run plans them as the devices lay them out (`_device_conv_layout`)
 _CONVOLUTIONS = {torch.ops.aten.convolution.default}
+_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}  # by dimensions
 _PLANS: dict = {}
 _PLANS_MAX = 1 << 14  # configurations kept; the cache starts over when full (shapes or scalars that change every
                       # step would otherwise grow it without end)
@@ -334,7 +335,7 @@ def _device_conv_layout(x, weight, out):
     """A convolution's output as the CPU's and CUDA's kernels lay it out (meta's kernel makes it contiguous):
     channels_last (channels_last_3d for 5-D) when the input or the weight suggests that format, as PyTorch's
     backends decide (cuDNN, oneDNN and the CPU's own convolution alike)."""
-    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(out.dim())
+    fmt = _CHANNELS_LAST.get(out.dim())
     if (fmt is None or not isinstance(weight, torch.Tensor) or torch.float64 in (x.dtype, weight.dtype)
             or fmt not in (_suggest_format(x), _suggest_format(weight))):
         return out  # (cuDNN and oneDNN leave float64 contiguous)
@@ -353,8 +354,10 @@ def _suggest_format(x) -> torch.memory_format:
     copy where this version has it)."""
     if _suggest is not None:
         return _suggest(x)
-    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
-    return fmt if fmt is not None and x.is_contiguous(memory_format=fmt) and not x.is_contiguous() else torch.contiguous_format
+    fmt = _CHANNELS_LAST.get(x.dim())
+    if fmt is not None and x.is_contiguous(memory_format=fmt) and not x.is_contiguous():
+        return fmt
+    return torch.contiguous_format
 
 
 def check_strided(func, outs) -> None:

@@ -38,6 +38,15 @@ def parse_budget(text: str) -> tuple[str, float]:
     return "bytes", value * _UNITS[unit]
 
 
+def check_models(specs) -> None:
+    """ValueError naming every spec that is neither a suite model, an example nor `module:function`."""
+    from . import examples, suite
+    unknown = [m for m in specs if m not in suite.SUITE and m not in examples.MODELS and ":" not in m]
+    if unknown:
+        raise ValueError(f"unknown model{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}: use one "
+                         f"of {', '.join([*suite.SUITE, *examples.MODELS])} or module:function")
+
+
 def load(spec: str, batch: int):
     """(model, inputs) from a name in the suite, in coop_arena.examples or `module:function(batch)`, on meta."""
     from . import examples, suite
@@ -62,9 +71,7 @@ def load(spec: str, batch: int):
         with torch.device("meta"):  # a large model is never materialized
             model, inputs = factory(batch)
     else:
-        if spec not in examples.MODELS:
-            raise ValueError(f"unknown model {spec!r}: use one of {', '.join([*suite.SUITE, *examples.MODELS])} "
-                             f"or module:function")
+        check_models([spec])
         model, inputs = examples.example(spec, batch)
     return model.to("meta"), tuple(x.to("meta") for x in (inputs if isinstance(inputs, (tuple, list)) else (inputs,)))
 

@@ -30,9 +30,9 @@ Approach: at block exit every live wrapper is given its storage's plain copy as 
 Limitations: `torch.utils.dlpack.to_dlpack(t)` reads the TensorImpl in C++ without asking the wrapper: inside the
   block its capsule has no memory. Inside the block, `numpy.asarray(t)` is a copy (numpy allows one; `copy=False`
   is refused by numpy itself, as for plain tensors), and two views of one storage pickled together are saved as
-  two copies (deepcopy keeps them views of one copy). A wrapper whose storage was lost at exit has no storage: every path above reaches `as_plain`,
-  which raises TensorLost, except repr (and format, which prints it), which shows the message instead (a repr that
-  raises breaks printing whatever holds the tensor).
+  two copies (deepcopy keeps them views of one copy). A wrapper whose storage was lost at exit has no storage:
+  every path above reaches `as_plain`, which raises TensorLost, except repr (and format, which prints it), which
+  shows the message instead (a repr that raises breaks printing whatever holds the tensor).
 """
 
 from __future__ import annotations
