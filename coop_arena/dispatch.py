@@ -72,6 +72,13 @@ _STATS = ("running_mean", "running_var")
 # the bytes the write left), and the backward's outputs are kept too (their recipe read the reserve before it).
 _RESERVE_WRITES = (aten._cudnn_rnn_backward.default, aten.miopen_rnn_backward.default)
 
+# Arguments a kernel does not read in the configuration it is called with, recorded as None (its replay gives the
+# same bits without them): a batch norm's backward in training reads the saved batch statistics, not the running
+# ones. Recorded, it was taken for a reader of the running statistics, so that the next forward's update of them
+# kept every gradient computed since (Rule 5): an adversarial-training step, whose input follows the gradient of
+# earlier forwards, filled its budget with them. (cuDNN's and MIOpen's backward are left as they are, unchecked.)
+_UNREAD_IN_TRAINING = {aten.native_batch_norm_backward.default: ((3, 4), 7)}  # (unread positions, `train`'s)
+
 # Ops whose output shape, or a Python value they return, depends on tensor values (Dispatch._call_op)
 _DATA_DEPENDENT = {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output}
 
@@ -373,7 +380,12 @@ class Dispatch:
 
     def _hidden_writes(self, call: _Call, recipe: Recipe, externals, written) -> bool:
         """See Rule 5: writes into external tensors the schema does not mark; and unmarked writes in the arena
-        (_STATS_WRITES, _RESERVE_WRITES). Returns whether the outputs stay evictable."""
+        (_STATS_WRITES, _RESERVE_WRITES). Returns whether the outputs stay evictable. Arguments the kernel did
+        not read are dropped from the recipe first (_UNREAD_IN_TRAINING)."""
+        unread = _UNREAD_IN_TRAINING.get(call.func)
+        if unread is not None and len(recipe.args) > unread[1] and recipe.args[unread[1]] is True:
+            for pos in unread[0]:
+                recipe.without_arg(pos)
         for pos, s in call.stats:
             self.remat.make_unevictable(s)
             if pos < len(recipe.args) and call.func not in _RESERVE_WRITES:  # (whose outputs are kept: no replay)
@@ -451,7 +463,7 @@ class Dispatch:
                     self.lifetime.forget(s)
             raise
         placed = [s for s in placed if s is not None]
-        self._placed(call, placed)
+        self._placed(call, placed, recipe)
         return tuple(results) if len(plan.outputs) > 1 else results[0]
 
     def _fixed_view(self, byte_offset: int, dtype, size, stride, storage_offset: int) -> torch.Tensor:
@@ -460,13 +472,17 @@ class Dispatch:
         return self.arena.fixed_view(byte_offset, placement.span_bytes(size, stride, dtype.itemsize), dtype, size,
                                      stride, storage_offset)
 
-    def _placed(self, call: _Call, placed) -> None:
+    def _placed(self, call: _Call, placed, recipe: Recipe) -> None:
         for s in placed:
             self.memory.unpin(s)
         table = self.memory.table
         ws = sum(table.round_up(s.nbytes) for s in call.inputs) + sum(table.round_up(s.nbytes) for s in placed)
         self.counters.working_set_peak = max(self.counters.working_set_peak, ws)
-        self._note_external_reads(call.recorded, placed)
+        # What the recipe reads, not what the op did: a batch norm's recipe leaves out the running statistics it
+        # updates (Rule 5), and its outputs taken for their readers made every later update keep them, and what
+        # was computed from them, for good.
+        self._note_external_reads(ops.flatten(recipe.args, recipe.kwargs)[0],
+                                  [s for s in placed if s.payload.recipe is not None])
 
     def _run_temporary(self, call: _Call, plan, host: bool = False):
         """The op computes its outputs into temporaries; each is copied into its own range at once, except those
@@ -512,7 +528,7 @@ class Dispatch:
                 self.lifetime.forget(s)
             raise
         self.counters.count_placed(temporary, temporary, alive)
-        self._placed(call, placed)
+        self._placed(call, placed, recipe)
         return tuple(out_leaves) if isinstance(out, tuple) else (out_leaves if isinstance(out, list) else out_leaves[0])
 
     def _place_output(self, o, recipe, index, inputs, evictable, func, placed):

@@ -382,7 +382,7 @@ def _has_readers(s: Storage) -> bool:
     freed = State.FREED
     for i, ref in enumerate(s.consumers):
         r = ref()
-        if r is not None and r is not s and r.state is not freed and r.payload.recipe is not None:
+        if r is not None and r is not s and r.state is not freed and _replayable(r):
             if i:
                 prune(s, i)
             return True
@@ -390,12 +390,17 @@ def _has_readers(s: Storage) -> bool:
     return False
 
 
+def _replayable(r: Storage) -> bool:
+    """Whether `r` has a recipe, or is an output of the op now running (placed, not recorded yet: no payload)."""
+    return r.payload is None or r.payload.recipe is not None
+
+
 def _readers(s: Storage) -> list:
-    """The storages whose recipes read `s` and may still be replayed."""
+    """The storages whose recipes read `s` and may still be replayed (_replayable)."""
     out = []
     for ref in s.consumers:
         r = ref()
-        if r is not None and r is not s and r.state is not State.FREED and r.payload.recipe is not None:
+        if r is not None and r is not s and r.state is not State.FREED and _replayable(r):
             out.append(r)
     return out
 

@@ -120,8 +120,8 @@ class Runtime:
             tainted: dict = {}  # storages whose replay would read an old value, directly or through others
             while work:
                 s = work.pop()
-                if s.sid in tainted or s.state is State.FREED or s.payload.recipe is None:
-                    continue
+                if s.sid in tainted or s.state is State.FREED or s.payload is None or s.payload.recipe is None:
+                    continue  # (no payload: an output of the op now running, which reads what is kept here)
                 tainted[s.sid] = s
                 if not (refilled and s.payload.wrappers and not s.payload.mutations):
                     work.extend(_readers(s))  # (refilled: the replays of its readers stop at it once kept)
