@@ -169,6 +169,18 @@ def _copied_outside(original):
     return run
 
 
+def _materialized_outside(original):
+    """A lazy module's parameter materialized in its first forward (`nn.LazyLinear` inside the first block) is
+    model state kept across steps, made outside the arena like a parameter from before the block (Rule 1)."""
+    @functools.wraps(original)
+    def run(self, *args, **kwargs):
+        if patches.current() is None:
+            return original(self, *args, **kwargs)
+        with whole(_disable_current_modes()):  # Note [Interrupts] in recipe.py
+            return original(self, *args, **kwargs)
+    return run
+
+
 def _data_guarded(original):
     """`t.data = u` on a tensor from before the block (module.to(), .double(), .half() do it for every parameter),
     with `u` a tensor of a running block: set_data would give `t` the storage of a wrapper, which has no memory, so
@@ -177,7 +189,7 @@ def _data_guarded(original):
     def set_data(self, new):
         if isinstance(new, Tensor) and new._cell.storage.payload.runtime is not None:
             raise BudgetUsageError(
-                f"`t.data = u` inside a Budget, with t a tensor from before the block of shape {list(self.shape)} and "
+                f"`t.data = u` inside a Budget, with t a tensor from before the block of shape {_shape(self)} and "
                 f"dtype {self.dtype} and u a tensor made inside the block (shape {list(new.shape)}, {new.dtype}): "
                 f"u's bytes live in the arena, where t cannot share them. module.to(), .double(), .half() and "
                 f".float() do this for every parameter: convert the model outside the block, before it (nothing was "
@@ -187,7 +199,13 @@ def _data_guarded(original):
 
 
 _COPIES = [(torch.Tensor, "__deepcopy__", _copied_outside), (torch.nn.Parameter, "__deepcopy__", _copied_outside),
-           (torch.Tensor, "data", _data_guarded)]
+           (torch.Tensor, "data", _data_guarded),
+           (torch.nn.parameter.UninitializedTensorMixin, "materialize", _materialized_outside)]
+
+
+def _shape(t) -> str:
+    """A tensor's shape for a message; an uninitialized (lazy) parameter has none yet and raises when asked."""
+    return "uninitialized" if isinstance(t, torch.nn.parameter.UninitializedTensorMixin) else str(list(t.shape))
 
 
 def _plain(x):

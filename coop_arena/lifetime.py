@@ -298,7 +298,7 @@ class Lifetime:
             h.remove()
         for ref in list(self._externals.values()):
             t = ref()
-            if t is not None and isinstance(t.grad, Tensor):
+            if t is not None and isinstance(t.grad, Tensor) and not t.grad.requires_grad:
                 g = t.grad
                 with torch.no_grad():
                     t.grad = g.as_plain()
@@ -411,8 +411,12 @@ class _Dropped(Exception):
 
 def _grad_leaves_arena(leaf: torch.Tensor) -> None:
     """A leaf's gradient is final once autograd has accumulated it: it moves out of the arena at once, like the
-    parameter it belongs to (model-sized state, not counted), and is never evicted or recomputed."""
+    parameter it belongs to (model-sized state, not counted), and is never evicted or recomputed. Not one made by
+    `backward(create_graph=True)`: a later backward differentiates it, so it stays an activation of the step (a
+    plain copy would cut it off its graph)."""
     g = leaf.grad
+    if g is not None and g.requires_grad:
+        return
     if _in_arena(g):
         with plain_dispatch():
             leaf.grad = g.as_plain().clone()

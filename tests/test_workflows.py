@@ -473,6 +473,65 @@ def test_a_parameter_updated_in_place_inside_the_block_keeps_training_exact():
     assert budget.stats.evictions > 0
 
 
+@pytest.mark.parametrize("policy", ["coop", "dtr"])
+def test_backward_with_create_graph_keeps_the_gradients_graph(policy):
+    """`loss.backward(create_graph=True)` makes each `.grad` part of a graph (a penalty on the gradients is then
+    differentiated): the gradient must not leave the arena as a plain copy, which would cut that graph off."""
+    def run(budget):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), *[m for _ in range(4) for m in (nn.Tanh(), nn.Linear(64, 64))],
+                              nn.Tanh(), nn.Linear(64, 8))
+        out = []
+        for i in range(2):
+            torch.manual_seed(10 + i)
+            x = torch.randn(64, 32)
+            with warnings.catch_warnings(), (budget if budget is not None else contextlib.nullcontext()):
+                warnings.simplefilter("ignore", UserWarning)  # PyTorch's note on create_graph's reference cycle
+                model(x).square().mean().backward(create_graph=True)
+                assert all(p.grad.requires_grad for p in model.parameters())
+                penalty = sum(p.grad.square().sum() for p in model.parameters())
+                out += torch.autograd.grad(penalty, list(model.parameters()))
+            out += [p.grad.detach().clone() for p in model.parameters()]
+            model.zero_grad(set_to_none=True)
+        return out
+
+    reference = run(None)
+    probe = coop_arena.Budget(1 << 26, device="cpu")
+    run(probe)
+    budget = coop_arena.Budget(probe.stats.peak_bytes // 2, device="cpu", policy=policy,
+                               partition=policy == "coop")
+    assert bitwise_equal(reference, run(budget))
+    assert budget.stats.evictions > 0
+
+
+def test_a_lazy_module_materialized_inside_the_block_is_plain_state():
+    """`nn.LazyLinear` materializes its parameters in its first forward: inside a block they are model state made
+    outside the arena (the first step used to fail with PyTorch's error about an uninitialized parameter)."""
+    def run(budget):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[m for _ in range(6) for m in (nn.LazyLinear(64), nn.Tanh())], nn.LazyLinear(8))
+        opt = None
+        for i in range(3):
+            torch.manual_seed(10 + i)
+            x = torch.randn(64, 32)
+            with budget if budget is not None else contextlib.nullcontext():
+                model(x).square().mean().backward()
+            if opt is None:
+                opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            opt.step()
+            opt.zero_grad()
+        assert all(type(p) is nn.Parameter and (budget is None or not budget.arena.owns(p))
+                   for p in model.parameters())
+        return [p.detach().clone() for p in model.parameters()]
+
+    reference = run(None)
+    probe = coop_arena.Budget(1 << 26, device="cpu")
+    run(probe)
+    budget = coop_arena.Budget(probe.stats.peak_bytes // 2, device="cpu")
+    assert bitwise_equal(reference, run(budget))
+    assert budget.stats.evictions > 0
+
+
 def test_a_module_deep_copied_inside_the_block_is_plain_state():
     """An EMA model made with copy.deepcopy inside the block (as training loops do at their first step) is state
     kept across steps, like the model: plain parameters and buffers outside the arena, equal to the originals at
