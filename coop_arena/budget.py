@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
-from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispatch_mode,
+from torch.utils._python_dispatch import (TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode,
                                           _get_current_dispatch_mode_stack, _pop_mode, _push_mode)
 
 from .arena import Arena, check_backend, resolve_device
@@ -111,6 +111,59 @@ def _autocast_on() -> bool:
     return any_on() if any_on is not None else torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
 
 
+class _DryAttention(torch.overrides.TorchFunctionMode):
+    """A dry run's `F.scaled_dot_product_attention` takes the kernel the CPU takes. The op is a composite whose
+    backend choice is a per-device stub with no `meta` entry, so on `meta` it always ran the math decomposition
+    (the T x T scores materialised, 100 ops instead of one), while the CPU runs
+    `_scaled_dot_product_flash_attention_for_cpu` wherever its `_fused_sdp_choice` allows it (no dropout, 4-D
+    inputs): a dry run then planned several times the CPU's peak. Here the CPU's choice is asked of stand-ins of
+    the same sizes, strides of the last dimension and dtypes (no memory), and the CPU path is replayed as its
+    composite kernel runs it: a boolean mask becomes an additive one, then the fused op."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch._C._nn.scaled_dot_product_attention:
+            out = _cpu_attention(*args, **kwargs)
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
+
+
+def _stand_in(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor with `t`'s sizes, dtype and last-dimension stride, over a single row of memory."""
+    step = max(t.stride(-1), 1) if t.dim() else 1
+    n = t.shape[-1] if t.dim() else 1
+    return torch.empty(max(n * step, 1), dtype=t.dtype)[::step][:n].expand(t.shape)
+
+
+def _cpu_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   enable_gqa=False):
+    """The CPU's fused attention on meta tensors, or None where the CPU would take the math path too."""
+    if not all(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in (query, key, value)):
+        return None
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        return None
+    with _disable_current_modes():  # (the stand-ins and the choice are not the step's)
+        choice = torch._fused_sdp_choice(
+            _stand_in(query), _stand_in(key), _stand_in(value),
+            None if attn_mask is None else torch.empty(1, dtype=attn_mask.dtype).expand(attn_mask.shape),
+            dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    if choice != int(torch.nn.attention.SDPBackend.FLASH_ATTENTION.value):
+        return None
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # as the composite kernel converts it
+        neg = torch.ops.aten.scalar_tensor(float("-inf"), dtype=query.dtype, device=query.device)
+        zero = torch.ops.aten.scalar_tensor(0.0, dtype=query.dtype, layout=torch.strided, device=query.device)
+        attn_mask = torch.ops.aten.where.self(attn_mask, zero, neg)
+        del zero, neg  # (freed here and in this order, as the kernel's temporaries are)
+    extra = {}
+    if attn_mask is not None:
+        extra["attn_mask"] = attn_mask
+    if scale is not None:
+        extra["scale"] = scale
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p, is_causal,
+                                                                       **extra)[0]
+
+
 class _Mode(TorchDispatchMode):
     def __init__(self, runtime: Runtime):
         super().__init__()
@@ -185,6 +238,7 @@ class Budget:
         self._runtime: Runtime | None = None
         self._mode: _Mode | None = None
         self._module_hook = None
+        self._attention: _DryAttention | None = None  # a dry run's attention kernels, while a block is open
         self._compile_warned = False  # warned once per Budget
         self._autocast_warned = self.device.type != "meta"  # (only a dry run warns about autocast)
         self._bookkeeping: Bookkeeping | None = None
@@ -228,6 +282,9 @@ class Budget:
             self._mode = self._runtime.mode = _Mode(self._runtime)
             self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(_warn_if_compiled)
             self._mode.__enter__()
+            if self.device.type == "meta":  # (a dry run takes the CPU's attention kernel: _DryAttention)
+                self._attention = _DryAttention()
+                self._attention.__enter__()
             self._bookkeeping.open()
             _active.budget = self
         except BaseException:
@@ -239,6 +296,9 @@ class Budget:
         """Take the block's mode off the dispatch mode stack and remove its hooks and patches, each even when an
         interrupt stops the one before, and whatever part of them `_open` got to (Note [Interrupts])."""
         mode, hook, self._mode, self._module_hook = self._mode, self._module_hook, None, None
+        attention, self._attention = self._attention, None
+        if attention is not None:
+            attention.__exit__(None, None, None)
         try:
             if mode is not None and mode in _get_current_dispatch_mode_stack():
                 _leave(mode)

@@ -73,7 +73,25 @@ def load(spec: str, batch: int):
     else:
         check_models([spec])
         model, inputs = examples.example(spec, batch)
-    return model.to("meta"), tuple(x.to("meta") for x in (inputs if isinstance(inputs, (tuple, list)) else (inputs,)))
+    return to_meta(model), tuple(x.to("meta") for x in (inputs if isinstance(inputs, (tuple, list)) else (inputs,)))
+
+
+def to_meta(model: torch.nn.Module) -> torch.nn.Module:
+    """`model.to("meta")`, keeping tied parameters tied. PyTorch cannot convert a CPU parameter to meta in place, so
+    `Module.to` makes a new Parameter for each module that holds it: a GPT's tied embedding and head became two
+    parameters, and the dry run planned another step than the device's (no accumulation into the shared weight's
+    gradient, another op sequence, other evictions)."""
+    owners: dict[int, list] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((module, name))
+    model = model.to("meta")
+    for places in owners.values():
+        shared = places[0][0]._parameters[places[0][1]]
+        for module, name in places[1:]:
+            module._parameters[name] = shared
+    return model
 
 
 def step(model, inputs, budget: Budget) -> None:

@@ -128,9 +128,9 @@ def test_evict_everything_after_every_op_is_exact(name):
 def test_dry_run_matches_cpu_run():
     """The same engine on meta makes the same decisions: same trace, same stats (timings aside).
 
-    (The GPT and LSTM examples are left out: autograd accumulates the tied embedding's gradient in place or
-    out of place depending on reference counts, and the CPU LSTM is one fused op, so their op sequences
-    differ between devices before coop_arena sees them.)"""
+    (The GPT and LSTM examples are left out: `.to("meta")` unties the GPT's embedding and head (test_plan.py
+    checks the tied dry run of `coop-arena plan` against the CPU), and the CPU LSTM is one fused op, so their
+    op sequences differ between devices before coop_arena sees them.)"""
     for name in ["mlp", "cnn"]:
         nbytes = int(0.4 * plain_peak(name))
         runs = {}
@@ -204,4 +204,31 @@ def test_a_channels_last_cnn_plans_alike_on_cpu_and_meta(policy):
     cpu, meta = _cpu_and_meta(step, policy=policy)
     assert cpu[0]["evictions"] > 0 and cpu[0]["rematerializations"] > 0
     assert cpu[0]["ops"] == 47
+    assert cpu == meta
+
+
+@pytest.mark.parametrize("mask", ["causal", "bool", "float", "gqa"])
+def test_attention_plans_alike_on_cpu_and_meta(mask):
+    """`F.scaled_dot_product_attention` without dropout is one fused op on the CPU
+    (`_scaled_dot_product_flash_attention_for_cpu`) but its math decomposition on meta, whose backend choice has no
+    meta entry: a dry run planned the T x T scores, 131 ops and 2.7x the CPU's peak. It now takes the CPU's kernel."""
+    def step(budget, device):
+        torch.manual_seed(0)
+        kv = 2 if mask == "gqa" else 4  # key and value heads (queries have 4)
+        layers = [torch.nn.Linear(32, 32 + 16 * kv).to(device) for _ in range(3)]
+        x = torch.randn(2, 16, 32).to(device)
+        kw = {"causal": dict(is_causal=True), "gqa": dict(is_causal=True, enable_gqa=True),
+              "bool": dict(attn_mask=torch.ones(16, 16, dtype=torch.bool).tril().to(device)),
+              "float": dict(attn_mask=torch.randn(2, 1, 16, 16).to(device))}[mask]
+        with budget:
+            h = x
+            for layer in layers:
+                q, k, v = layer(h).split([32, 8 * kv, 8 * kv], -1)
+                q, k, v = (z.view(2, 16, -1, 8).transpose(1, 2) for z in (q, k, v))
+                a = torch.nn.functional.scaled_dot_product_attention(q, k, v, **kw)
+                h = h + a.transpose(1, 2).reshape(2, 16, 32)
+            h.sum().backward()
+
+    cpu, meta = _cpu_and_meta(step)
+    assert cpu[0]["evictions"] > 0 and cpu[0]["rematerializations"] > 0
     assert cpu == meta

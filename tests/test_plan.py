@@ -99,3 +99,28 @@ def test_plan_of_a_model_a_dry_run_cannot_run_is_one_line(tmp_path, monkeypatch,
         main(["plan", "routed:build"])
     err = capsys.readouterr().err
     assert "cannot be planned in a dry run" in err and "a dry run on meta has no data" in err
+
+
+def test_a_dry_run_of_a_tied_model_keeps_it_tied_and_matches_the_cpu_run():
+    """`Module.to("meta")` makes a new Parameter per module for a CPU parameter, which untied the GPT example's
+    embedding and head: its plan was of another step (one op fewer, other evictions) and said that dte fits at
+    0.25 of the peak, where the CPU run of the tied model is OutOfBudget."""
+    import coop_arena
+    from coop_arena import examples
+    from coop_arena.evaluate import CONFIGS
+    from coop_arena.plan import load, plan, step
+    model, _ = load("gpt", 8)
+    assert model.head.weight is model.tok.weight
+    result = plan("gpt", None, "0.25", console=Console(file=io.StringIO()))
+    for policy, row in result["policies"].items():
+        cpu_model, inputs = examples.example("gpt", 8)
+        budget = coop_arena.Budget(max(result["budget"], 512), device="cpu", **CONFIGS[policy])
+        try:
+            step(cpu_model, inputs, budget)
+            fits = True
+        except coop_arena.OutOfBudget:
+            fits = False
+        assert fits == row["fits"], policy
+        if fits:
+            st = budget.stats
+            assert (st.evictions, st.compute_overhead) == (row["evictions"], row["compute_overhead"])
