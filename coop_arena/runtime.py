@@ -114,6 +114,7 @@ class Runtime:
         work = [s for s in work if s is not None]
         if not work:
             return
+        direct = list(work)
         with plain_dispatch():
             lifetime = self.lifetime
             lifetime.drain()
@@ -126,6 +127,8 @@ class Runtime:
                 if not (refilled and s.payload.wrappers and not s.payload.mutations):
                     work.extend(_readers(s))  # (refilled: the replays of its readers stop at it once kept)
             keep = sorted((s for s in tainted.values() if s.payload.wrappers), key=lambda s: s.sid)
+            if not refilled:
+                keep = _cheaper_cut(direct, keep, self.memory.table.round_up)
             self._keep(keep, "FSDP freed the parameter it was computed from" if refilled else
                        "a write to a tensor outside the arena overwrote what it was computed from")
             for s in tainted.values():
@@ -164,6 +167,31 @@ class Runtime:
         if self.memory.mover == self.copy_bytes:
             self.memory.mover = None
         self.dispatch = self.remat = self.lifetime = self.mode = self.bookkeeping = None
+
+
+def _cheaper_cut(direct: list, held: list, size) -> list:
+    """What `settle` keeps of the storages computed from an overwritten tensor: those a wrapper holds (`held`), or
+    the tensor's direct readers instead, when they take fewer bytes. Kept at the value they read, they stop every
+    replay downstream from reading the new one, and all that lies beyond stays evictable: a spectral-norm layer's
+    power iteration rewrites its `_u` and `_v` at every forward, read first by two clones of a few hundred bytes;
+    keeping what was held downstream made a discriminator's first call unevictable when it ran a second time.
+    Not when a recipe reads an older version of a direct reader (a clone is `empty_like` then a `copy_` of the
+    tensor: its readers read the version after the copy), which replays from the tensor (Note [Old versions] in
+    remat.py); a direct reader that nothing holds or reads is not kept."""
+    frontier = {}
+    for s in direct:
+        if s.state is State.FREED or s.payload is None or s.payload.recipe is None or s.sid in frontier:
+            continue
+        readers = _readers(s)
+        if any(r.payload is not None and any(sid == s.sid and v != s.payload.version
+                                             for recipe in r.payload.recipes() for sid, v in recipe.versions)
+               for r in readers):
+            return held
+        if s.payload.wrappers or readers:
+            frontier[s.sid] = s
+    if sum(size(s.nbytes) for s in frontier.values()) < sum(size(s.nbytes) for s in held):
+        return sorted(frontier.values(), key=lambda s: s.sid)
+    return held
 
 
 def raise_recursion_limit(n: int = 20_000) -> None:
