@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import math
 import re
+from collections.abc import Mapping
 
 import torch
 from rich.console import Console
@@ -69,7 +70,15 @@ def load(spec: str, batch: int):
             raise ValueError(f"{spec!r} is a {type(factory).__name__}, not callable: give module:function, where "
                              f"function(batch) returns (model, example_inputs)")
         with torch.device("meta"):  # a large model is never materialized
-            model, inputs = factory(batch)
+            try:
+                made = factory(batch)
+            except TypeError as e:  # not function(batch)
+                raise ValueError(f"{spec}({batch}) failed: {e} (give module:function, where function(batch) "
+                                 f"returns (model, example_inputs))") from e
+        if not (isinstance(made, (tuple, list)) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):
+            raise ValueError(f"{spec}({batch}) returned {type(made).__name__}, not (model, example_inputs) with an "
+                             f"nn.Module first")
+        model, inputs = made
     else:
         check_models([spec])
         model, inputs = examples.example(spec, batch)
@@ -99,7 +108,13 @@ def step(model, inputs, budget: Budget) -> None:
     try:
         with budget:
             out = model(*inputs)
+            if isinstance(out, Mapping):  # a transformers ModelOutput: its first field that is set (the logits)
+                out = next(iter(out.values()))
             out = out[0] if isinstance(out, (tuple, list)) else out
+            if not (isinstance(out, torch.Tensor) and out.requires_grad):
+                what = "Tensor with no grad" if isinstance(out, torch.Tensor) else type(out).__name__
+                raise ValueError(f"the model's output ({what}) has nothing to train: a planned step runs backward "
+                                 f"from the sum of the model's first output")
             out.float().sum().backward()
     finally:
         for p in model.parameters():

@@ -124,3 +124,34 @@ def test_a_dry_run_of_a_tied_model_keeps_it_tied_and_matches_the_cpu_run():
         if fits:
             st = budget.stats
             assert (st.evictions, st.compute_overhead) == (row["evictions"], row["compute_overhead"])
+
+
+def test_plan_of_a_factory_takes_a_mapping_output_and_says_what_a_bad_factory_returned(tmp_path, monkeypatch, capsys):
+    """A model returning a mapping (transformers' ModelOutput) is planned from its first field; a factory that is
+    not function(batch), returns no (model, inputs) pair or a model with nothing to train is one line, not a
+    traceback."""
+    (tmp_path / "factories.py").write_text(
+        "import torch\n"
+        "class Named(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.lin = torch.nn.Linear(8, 8)\n"
+        "    def forward(self, x):\n"
+        "        return {'logits': self.lin(x).tanh(), 'hidden': x}\n"
+        "def named(batch):\n"
+        "    return Named(), (torch.randn(batch, 8),)\n"
+        "def no_batch():\n"
+        "    return Named(), (torch.randn(2, 8),)\n"
+        "def alone(batch):\n"
+        "    return Named()\n"
+        "def frozen(batch):\n"
+        "    return torch.nn.Linear(8, 8).requires_grad_(False), (torch.randn(batch, 8),)\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "factories:named", "--budget", "0.5"]) == 0
+    assert "coop" in capsys.readouterr().out
+    for spec, said in [("no_batch", "failed: no_batch() takes 0 positional arguments"),
+                       ("alone", "returned Named, not (model, example_inputs)"),
+                       ("frozen", "(Tensor with no grad) has nothing to train")]:
+        with pytest.raises(SystemExit):
+            main(["plan", f"factories:{spec}"])
+        assert said in capsys.readouterr().err, spec
