@@ -239,6 +239,7 @@ class Budget:
         self._mode: _Mode | None = None
         self._module_hook = None
         self._attention: _DryAttention | None = None  # a dry run's attention kernels, while a block is open
+        self._blocks = 0  # blocks opened: from the second on, new shapes are sized by the device (placement.py)
         self._compile_warned = False  # warned once per Budget
         self._autocast_warned = self.device.type != "meta"  # (only a dry run warns about autocast)
         self._bookkeeping: Bookkeeping | None = None
@@ -276,7 +277,8 @@ class Budget:
         self._bookkeeping = Bookkeeping()
         self._runtime = Runtime(self.memory, self.arena, recomputable_inplace=self.recomputable_inplace,
                                 max_overhead=self.max_overhead, explain=self._explain_thrashing,
-                                bookkeeping=self._bookkeeping)
+                                bookkeeping=self._bookkeeping, sizing=self._blocks > 0)
+        self._blocks += 1
         self._bookkeeping.settle = self._runtime.settle
         try:
             self._mode = self._runtime.mode = _Mode(self._runtime)

@@ -146,7 +146,7 @@ class _Call:
     """One op call in progress: its arguments as given, as plain tensors, and as recorded for a recipe."""
 
     __slots__ = ("func", "op", "args", "kwargs", "leaves", "spec", "inputs", "plain", "recorded", "pargs", "pkwargs",
-                 "stats")
+                 "stats", "cost")
 
     def __init__(self, func, op, args, kwargs, leaves, spec):
         self.func, self.op, self.args, self.kwargs, self.leaves, self.spec = func, op, args, kwargs, leaves, spec
@@ -279,7 +279,14 @@ class Dispatch:
         if host or self._elsewhere(call.kwargs.get("device")):  # `x.cpu()`, `zeros(device="cpu")` on CUDA
             self._bind(call, owner)
             return self._run_temporary(call, None, host=host)  # its outputs are returned as they are
-        plan = placement.plan_for(call.func, call.op, call.args, call.kwargs, self.device.type)
+        plan = placement.plan_for(call.func, call.op, call.args, call.kwargs, self.device.type,
+                                  sizing=self.runtime.sizing and not call.op.uninitialized)
+        if isinstance(plan, placement.Sizing):  # a new shape, sized by the device: Note [Shapes that change]
+            self._bind(call, owner)
+            result = self._run_temporary(call, None)
+            placement.sized(call.func, call.args, call.kwargs, self.device.type, plan.like,
+                            list(result) if isinstance(result, (tuple, list)) else [result], call.cost)
+            return result
         if plan is not None and plan.aliases:
             self._bind(call, owner)
             return self._run_view(call)
@@ -500,8 +507,8 @@ class Dispatch:
         placement.check_strided(func, out_leaves)
         if plan is not None and self.device.type == "meta" and not plan.aliases:
             out_leaves = [placement.as_planned(o, spec) for o, spec in zip(out_leaves, plan.outputs)]
-        cost = plan.cost if plan is not None else op_cost(call.op.flops, call.pargs, call.pkwargs, call.plain,
-                                                          out_leaves, out)
+        cost = call.cost = plan.cost if plan is not None else op_cost(call.op.flops, call.pargs, call.pkwargs,
+                                                                      call.plain, out_leaves, out)
         self._account(cost)
         self.memory.may_relocate = True  # the op has run: its inputs' views are dead, they may move
         if probe is not None:
@@ -661,7 +668,11 @@ class Dispatch:
     def _check_not_resized(self, call: _Call) -> None:
         """PyTorch resizes an out= tensor of the wrong shape (with a warning). An arena view grown in place would
         write past its storage into its neighbours': refused before the op runs. The shapes come from the op's plan
-        (its run on meta, which resizes the meta out= tensors as the real run would)."""
+        (its run on meta, which resizes the meta out= tensors as the real run would). An in-place op that is not a
+        view op writes its tensors at their shapes: not checked (Note [Shapes that change] in placement.py)."""
+        tags = call.func.tags
+        if torch.Tag.inplace in tags and torch.Tag.inplace_view not in tags:
+            return
         plan = placement.plan_for(call.func, call.op, call.args, call.kwargs, self.device.type)
         if plan is None:
             return

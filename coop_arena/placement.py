@@ -62,6 +62,30 @@ Limitations: ops whose output shape depends on data (nonzero, masked_select) can
   statistics match a CPU run, except for convolutions: their rule is cuDNN's and oneDNN's (float64 stays
   contiguous), not the CPU's fallback kernels', which make a float64 2-D convolution's output channels_last and
   leave a 3-D one contiguous in float16, and in float32 with a batch of one.
+
+Note [Shapes that change]
+Rationale: a configuration's plan costs a run on `meta`, whose kernels for most ops are Python decompositions:
+  0.1-3.6 ms of host time per op (layer norm's backward the slowest), where the rest of an op's host time is
+  30-100 us. With shapes that change from step to step (dynamic padding: each batch its own sequence length)
+  every op of every step is a new configuration: a small transformer's steps took 35 % longer than at a fixed
+  shape, and on a GPU the host time is the step's.
+Approach: each plan made on `meta` for a device is also kept under its op's shape-free key (`_shape_free`: the
+  dtypes, ranks and contiguity of its tensors, its other arguments as they are). From a Budget's second block on
+  (the first plans as a dry run does, so that their statistics agree), a new configuration of such an op is not
+  run on `meta` when its shape-free plan says what to do at any shape (`_sizes_from_device`):
+  - a view stays a view, and an op run as its parts stays so (each part is planned as an op of its own);
+  - an op that takes the temporary path (no out= variant), or whose plan is plain (every tensor input and output
+    contiguous in the default format), and that meta does not lay out otherwise, runs once on the device into
+    temporaries (`Sizing`); the outputs it gave make the configuration's plan (`sized`), with which later calls
+    take the temporary path or place directly.
+  The kernels that compute are those of a planned call (the functional op, as where a layout is learned), so
+  are the bits, and the decisions: the outputs are placed when the op has run, with the same memory around them.
+  An in-place op (not an out= one) writes its tensors at their shapes: they are not checked on `meta` either
+  (dispatch.py, `_check_not_resized`).
+Limitations: that first call's outputs go through temporaries outside the arena, counted in
+  stats.temporary_bytes, as any configuration's first call where its layout is learned; a dry run, with no device
+  to ask, plans every shape on `meta`. Other arguments are part of the shape-free key: an op given a size
+  (`_unsafe_view`, `expand`, `select_backward`) is planned on `meta` at each new size.
 """
 
 from __future__ import annotations
@@ -138,13 +162,25 @@ _CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}  # by dimen
 _PLANS: dict = {}
 _PLANS_MAX = 1 << 14  # configurations kept; the cache starts over when full (shapes or scalars that change every
                       # step would otherwise grow it without end)
+_SHAPE_FREE: dict = {}  # shape-free key -> a plan its device may size new shapes of (Note [Shapes that change])
 _DECOMPOSES: dict = {}
 _OUT_VARIANTS: dict = {}
 _WRITES_IN_PLACE: dict = {}
 
 
-def plan_for(func, op, args, kwargs, device_type: str) -> OpPlan | None:
-    """The plan of a functional op called with plain `args`/`kwargs`, or None when it cannot run on meta."""
+class Sizing:
+    """What `plan_for` gives a new configuration whose shape-free plan is `like` (Note [Shapes that change]): run
+    the op on the device into temporaries, then hand its outputs to `sized`."""
+
+    __slots__ = ("like",)
+
+    def __init__(self, like: OpPlan):
+        self.like = like
+
+
+def plan_for(func, op, args, kwargs, device_type: str, sizing: bool = False) -> OpPlan | Sizing | None:
+    """The plan of a functional op called with plain `args`/`kwargs`, or None when it cannot run on meta. With
+    `sizing`, a new configuration that the device can size instead of `meta` gives a `Sizing`."""
     leaves, spec = ops.flatten(args, kwargs)
     key = _plan_key(func, leaves, spec, device_type)
     if key is None:
@@ -155,10 +191,54 @@ def plan_for(func, op, args, kwargs, device_type: str) -> OpPlan | None:
         pass
     except TypeError:  # an unhashable argument: no cache for this call
         return _make_plan(func, op, leaves, spec, device_type)
+    free = _shape_free(key)
+    if sizing and device_type != "meta":
+        like = _SHAPE_FREE.get(free)
+        if like is not None:
+            return like if like.aliases or like.decomposes else Sizing(like)  # (a view, or parts, at any shape)
     if len(_PLANS) >= _PLANS_MAX:
         _PLANS.clear()
+        _SHAPE_FREE.clear()
     p = _PLANS[key] = _make_plan(func, op, leaves, spec, device_type)
+    if device_type != "meta" and _sizes_from_device(func, p):
+        _SHAPE_FREE[free] = p
     return p
+
+
+def sized(func, args, kwargs, device_type: str, like: OpPlan, outs, cost: float) -> None:
+    """Keep the plan of this configuration made from the outputs `outs` its run on the device gave (wrapped as
+    placed): always for an op that takes the temporary path anyway (no out= variant); for one placed directly,
+    when they are contiguous in the default format, as `like`'s (else its next call is planned on `meta`). See
+    Note [Shapes that change]."""
+    specs = []
+    for o in outs:
+        if not isinstance(o, torch.Tensor):
+            specs.append(None)
+            continue
+        size, stride = tuple(o.size()), tuple(o.stride())
+        if like.out_op is not None and (not _default_contiguous(size, stride) or o.storage_offset()):
+            return
+        specs.append(OutSpec(size, stride, o.dtype, span_bytes(size, stride, o.element_size())))
+    if len(specs) != len(like.outputs) or any((a is None) != (b is None) for a, b in zip(specs, like.outputs)):
+        return
+    _store(func, args, kwargs, device_type, dataclasses.replace(like, outputs=tuple(specs), cost=cost, checked=[],
+                                                                learned=[]))
+
+
+def _shape_free(key: tuple) -> tuple:
+    """A configuration's key with each tensor's sizes and strides replaced by its rank and whether it is
+    contiguous."""
+    func, device_type, dtype, leaves, shape, kshape = key
+    return (func, device_type, dtype, tuple(
+        (x[0], len(x[1]), x[2] == contiguous_strides(x[1])) if type(x) is _TensorKey else x for x in leaves),
+        shape, kshape)
+
+
+def _sizes_from_device(func, p: OpPlan | None) -> bool:
+    """Whether a new configuration of the op of plan `p` may be sized by its run on the device (Note [Shapes
+    that change])."""
+    return (p is not None and (p.aliases or p.decomposes or p.out_op is None or p.plain)
+            and func not in _META_DIFFERS and func not in _CONVOLUTIONS)
 
 
 def without_out(func, args, kwargs, device_type: str, plan: OpPlan) -> OpPlan:
@@ -223,6 +303,12 @@ def _plan_key(func, leaves, spec, device_type: str) -> tuple | None:
     return (func, device_type, torch.get_default_dtype(), k, tuple(spec[0]), tuple(spec[1]))
 
 
+class _TensorKey(tuple):
+    """(dtype, sizes, strides) of a tensor argument in a configuration's key."""
+
+    __slots__ = ()
+
+
 def _key(leaves) -> tuple | None:
     """The cache key of an op's arguments, or None for no cache: a script object (the handle of
     `record_function`, which wraps every optimizer step) is new at each call and hashes by identity, so caching it
@@ -230,7 +316,7 @@ def _key(leaves) -> tuple | None:
     out = []
     for x in leaves:
         if isinstance(x, torch.Tensor):
-            out.append((x.dtype, tuple(x.size()), tuple(x.stride())))
+            out.append(_TensorKey((x.dtype, tuple(x.size()), tuple(x.stride()))))
         elif isinstance(x, torch.ScriptObject):
             return None
         elif isinstance(x, list):

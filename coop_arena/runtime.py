@@ -33,8 +33,9 @@ from .telemetry import RuntimeCounters
 
 class Runtime:
     def __init__(self, memory: Memory, arena: Arena, *, recomputable_inplace: bool = True,
-                 max_overhead: float | None = None, explain=None, bookkeeping=None):
+                 max_overhead: float | None = None, explain=None, bookkeeping=None, sizing: bool = False):
         self.memory = memory
+        self.sizing = sizing  # new shapes of known ops sized by the device (Note [Shapes that change])
         self.arena = arena
         self.device = arena.device
         self.counters = RuntimeCounters()

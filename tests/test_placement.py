@@ -238,3 +238,39 @@ def test_the_plan_cache_is_bounded(monkeypatch):
         for i in range(200):
             y = x * (1.0 / (i + 1)) + i
     assert len(placement._PLANS) <= 64 and torch.equal(y.as_plain(), x * (1.0 / 200) + 199)
+
+
+def _varlen_steps(budget, lengths, dropout, after_first=lambda: None):
+    """A small transformer trained on batches of another sequence length each (dynamic padding)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=dropout, batch_first=True)
+    model = nn.Sequential(nn.Embedding(50, 32), nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i, n in enumerate(lengths):
+        torch.manual_seed(10 + i)
+        ids = torch.randint(0, 50, (3, n))
+        with budget if budget is not None else contextlib.nullcontext():
+            model(ids).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 0:
+            after_first()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_new_shapes_in_later_blocks_are_sized_by_the_device_and_stay_exact(monkeypatch, dropout):
+    """Note [Shapes that change]: from a Budget's second block on, a new sequence length's ops are not planned on
+    meta; the device's run sizes them, and the step stays bitwise plain PyTorch's, evictions included."""
+    lengths = [11, 17, 11, 23, 17, 29]
+    expected = _varlen_steps(None, lengths, dropout)
+    made, sized = [], []
+    monkeypatch.setattr(placement, "_make_plan", lambda *a, f=placement._make_plan: made.append(1) or f(*a))
+    monkeypatch.setattr(placement, "sized", lambda *a, f=placement.sized: sized.append(1) or f(*a))
+    probe = coop_arena.Budget(1 << 24)
+    _varlen_steps(probe, [max(lengths)], dropout)
+    budget = coop_arena.Budget(int(probe.stats.peak_bytes * 0.6))
+    got = _varlen_steps(budget, lengths, dropout, after_first=lambda: (made.clear(), sized.clear()))
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert budget.stats.evictions > 0 and budget.stats.rematerializations > 0
+    assert len(sized) >= 20, (len(made), len(sized))  # (3 new lengths; the rest of their ops are views or parts)
