@@ -76,8 +76,13 @@ _RESERVE_WRITES = (aten._cudnn_rnn_backward.default, aten.miopen_rnn_backward.de
 # same bits without them): a batch norm's backward in training reads the saved batch statistics, not the running
 # ones. Recorded, it was taken for a reader of the running statistics, so that the next forward's update of them
 # kept every gradient computed since (Rule 5): an adversarial-training step, whose input follows the gradient of
-# earlier forwards, filled its budget with them. (cuDNN's and MIOpen's backward are left as they are, unchecked.)
-_UNREAD_IN_TRAINING = {aten.native_batch_norm_backward.default: ((3, 4), 7)}  # (unread positions, `train`'s)
+# earlier forwards, filled its budget with them. cuDNN's and MIOpen's batch-norm backward are training-only (their
+# kernels take the saved statistics alone; PyTorch's decomposition of cuDNN's calls the native one with train=True).
+_UNREAD_IN_TRAINING = {  # op -> (unread positions, the position of its `train` flag, or None: always)
+    aten.native_batch_norm_backward.default: ((3, 4), 7),
+    aten.cudnn_batch_norm_backward.default: ((3, 4), None),
+    aten.miopen_batch_norm_backward.default: ((3, 4), None),
+}
 
 # Ops whose output shape, or a Python value they return, depends on tensor values (Dispatch._call_op)
 _DATA_DEPENDENT = {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output}
@@ -389,9 +394,9 @@ class Dispatch:
         """See Rule 5: writes into external tensors the schema does not mark; and unmarked writes in the arena
         (_STATS_WRITES, _RESERVE_WRITES). Returns whether the outputs stay evictable. Arguments the kernel did
         not read are dropped from the recipe first (_UNREAD_IN_TRAINING)."""
-        unread = _UNREAD_IN_TRAINING.get(call.func)
-        if unread is not None and len(recipe.args) > unread[1] and recipe.args[unread[1]] is True:
-            for pos in unread[0]:
+        unread, train = _UNREAD_IN_TRAINING.get(call.func, ((), None))
+        if train is None or len(recipe.args) > train and recipe.args[train] is True:
+            for pos in unread:
                 recipe.without_arg(pos)
         for pos, s in call.stats:
             self.remat.make_unevictable(s)

@@ -12,6 +12,7 @@ plain PyTorch reproduces itself, so a mismatch is the Budget's, not the GPU's.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 
@@ -94,6 +95,29 @@ def test_training_is_bitwise_plain_pytorch_under_eviction(deterministic, name):
 @pytest.mark.parametrize("policy", ["dtr", "dte"])
 def test_baselines_are_exact_too(deterministic, policy):
     check_exact_under_eviction("gpt", 0.5, policy=policy)
+
+
+def test_adversarial_training_through_cudnn_batch_norm_is_exact_and_keeps_no_gradient(deterministic):
+    # cuDNN's batch-norm backward is recorded without the running statistics it does not read (dispatch.py,
+    # _UNREAD_IN_TRAINING): the next forward's update of them must not keep the gradients computed since, and its
+    # replays without them must give the same bits.
+    from test_workflows import adversarial_model, adversarial_step
+
+    def run(budget=None):
+        model = adversarial_model().cuda()
+        x = torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(1)).cuda()
+        y = torch.arange(8, device="cuda") % 10
+        with budget if budget is not None else contextlib.nullcontext():
+            loss = adversarial_step(model, x, y)
+        return [loss] + [p.grad for p in model.parameters()] + list(model.buffers())
+
+    expected = run()
+    assert bitwise_equal(expected, run()), "plain PyTorch does not reproduce itself here"
+    probe = coop_arena.Budget(1 << 30, device="cuda")
+    run(probe)
+    budget = coop_arena.Budget(probe.stats.peak_bytes // 2, device="cuda")
+    assert bitwise_equal(expected, run(budget))
+    assert budget.stats.evictions > 0 and budget.stats.frozen == 0
 
 
 # --------------------------------------------------------------------------------------------------- random
