@@ -9,6 +9,8 @@ tiny tensors so that the op's own work is negligible. Side by side in one run; t
 
 "first" is the first block of a new Budget, "later" the next blocks of the same Budget (what a training loop
 runs). Targets (issue): ample, first <= 3x the empty mode's us/op; later <= 2x; 60 %, later <= 2.5x.
+`gpt2_varlen` runs each step at a sequence length not seen before (dynamic padding), with ample memory only (its
+steps grow: a fraction of one step's peak is another fraction of the next).
 """
 
 from __future__ import annotations
@@ -131,6 +133,22 @@ def _gpt2():
     return lambda: model(input_ids=ids, labels=ids).loss.backward(), model
 
 
+def _gpt2_varlen():
+    """The GPT-2 layout with another sequence length at each step (dynamic padding): every op of every step is a
+    configuration not seen before (Note [Shapes that change] in placement.py)."""
+    import transformers
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=16, n_layer=12, n_head=2, vocab_size=64, n_positions=128)
+    model = transformers.GPT2LMHeadModel(config)
+    lengths = iter(range(16, 128))
+
+    def step():
+        n = next(lengths)
+        ids = torch.randint(0, 64, (2, n), generator=torch.Generator().manual_seed(n))
+        model(input_ids=ids, labels=ids).loss.backward()
+    return step, model
+
+
 def _resnet50():
     from bench.gpu_check import ResNet
     torch.manual_seed(0)
@@ -139,7 +157,8 @@ def _resnet50():
     return lambda: F.cross_entropy(model(x), torch.tensor([1, 2])).backward(), model
 
 
-WORKLOADS = {"mlp_200x8": _mlp, "add_chain_2000": _chain, "gpt2_layout": _gpt2, "resnet50_layout": _resnet50}
+WORKLOADS = {"mlp_200x8": _mlp, "add_chain_2000": _chain, "gpt2_layout": _gpt2, "resnet50_layout": _resnet50,
+             "gpt2_varlen": _gpt2_varlen}
 
 
 @functools.cache
@@ -179,6 +198,8 @@ def test_host_time_per_op(benchmark, name, config):
     if name == "add_chain_2000" and ratio != "ample":
         pytest.skip("x + 1 saves nothing for backward: the step holds about two tensors at once, so a fraction of "
                     "its peak is below one op's working set")
+    if name == "gpt2_varlen" and ratio != "ample":
+        pytest.skip("each step is longer than the last: a fraction of one step's peak is another of the next")
     nbytes = (1 << 30) if ratio == "ample" else int(float(ratio) * peak)
     budgets = []
     if when == "first":

@@ -120,6 +120,22 @@ def _drew(call: _Call, rng) -> object:
     return rng if drew else None
 
 
+_RRELU = torch.ops.aten.rrelu_with_noise.default
+
+
+def _rrelu_in_eval(args, kwargs):
+    """rrelu_with_noise out of training writes nothing: its kernel is leaky_relu with the slope (lower + upper) / 2
+    (computed in double, as here), and `noise` is left as it is. Run as that, it is an ordinary functional op; in
+    training it stays an op that writes `noise` and returns a fresh tensor (UnsupportedOp, README)."""
+    names = [a.name for a in _RRELU._schema.arguments]
+    defaults = {a.name: a.default_value for a in _RRELU._schema.arguments if a.has_default_value()}
+    bound = {**defaults, **dict(zip(names, args)), **kwargs}
+    if bound["training"]:
+        return _RRELU, args, kwargs
+    slope = (float(bound["lower"]) + float(bound["upper"])) / 2
+    return torch.ops.aten.leaky_relu.default, (bound["self"], slope), {}
+
+
 # Note [Probing for hidden writes]
 # The first call of an op configuration with tensor arguments from outside the arena copies them and compares after
 # the op: a write that its schema does not mark (native_batch_norm's running statistics, an untagged custom op) is
@@ -178,6 +194,8 @@ class Dispatch:
         lifetime, memory = self.lifetime, self.memory
         if lifetime.dead:
             lifetime.drain()
+        if func is _RRELU:
+            func, args, kwargs = _rrelu_in_eval(args, kwargs)
         op = ops.info(func)
         if op.effectful:  # See Rule 5: collectives.py
             return collectives.run(self, func, args, kwargs)

@@ -743,3 +743,32 @@ def test_a_dry_run_reports_a_users_shape_error_as_such():
         with coop_arena.Budget(1 << 20, device="meta"):
             (x * 1)[i, j]
     assert not isinstance(err.value, coop_arena.UnsupportedOp)
+
+
+def test_rrelu_out_of_training_runs_under_a_budget_and_is_exact():
+    """F.rrelu(training=False) (nn.RReLU after model.eval()) is leaky_relu with the mean slope and writes nothing,
+    but its aten op, rrelu_with_noise, is marked as writing `noise` and returns a fresh tensor, so it raised
+    UnsupportedOp although only training is unsupported. It now runs as leaky_relu, bitwise as in PyTorch, with
+    evictions, and in a dry run; in training it still raises UnsupportedOp."""
+    def step(budget, device="cpu"):
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(64, 64)] + [torch.nn.RReLU(0.1, 0.3), torch.nn.Linear(64, 64)] * 6
+        m = torch.nn.Sequential(*layers)
+        m = m.to(device).eval()
+        x = torch.randn(1024, 64).to(device)
+        with budget:
+            out = m(x)
+            out.square().mean().backward()
+        return [out] + [p.grad for p in m.parameters()]
+
+    plain = step(contextlib.nullcontext())
+    ample = coop_arena.Budget(1 << 24, device="cpu")
+    assert all(torch.equal(a, b) for a, b in zip(plain, step(ample)))
+    tight = coop_arena.Budget(max(int(0.5 * ample.stats.peak_bytes), int(1.25 * ample.stats.lower_bound)), device="cpu")
+    assert all(torch.equal(a, b) for a, b in zip(plain, step(tight)))
+    assert tight.stats.evictions > 0
+    step(coop_arena.Budget(1 << 24, device="meta"), device="meta")
+    budget = coop_arena.Budget(1 << 24, device="cpu")
+    with pytest.raises(coop_arena.UnsupportedOp, match="rrelu_with_noise"):
+        with budget:
+            torch.nn.functional.rrelu(torch.randn(8, 8) * 1, training=True)
