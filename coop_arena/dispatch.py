@@ -196,6 +196,9 @@ class Dispatch:
             lifetime.drain()
         if func is _RRELU:
             func, args, kwargs = _rrelu_in_eval(args, kwargs)
+        elif (func is aten.lift_fresh.default and not isinstance(args[0], Tensor) and args[0].device == self.device
+              and not (self.bookkeeping is not None and self.bookkeeping.active())):  # (an optimizer's state: not)
+            return self._lifted(args[0])
         op = ops.info(func)
         if op.effectful:  # See Rule 5: collectives.py
             return collectives.run(self, func, args, kwargs)
@@ -330,6 +333,18 @@ class Dispatch:
             return self._run_decomposed(call)
         self._bind(call, owner)
         return self._run_temporary(call, plan)
+
+    def _lifted(self, t: torch.Tensor):
+        """`torch.tensor(data)`, `as_tensor(list)`, `t.new_tensor(data)` in the block: PyTorch makes the tensor from
+        Python data outside any dispatch, then lifts it (`lift_fresh`), the only op a mode sees. It was left outside
+        the arena, uncounted (a batch's `torch.tensor(list)` escaped the budget). Its bytes are copied into the
+        arena, where they stay unevictable: nothing can recompute data that came from Python."""
+        out = self.run(aten.clone.default, (t,), {})
+        s = out._cell.storage
+        if s.state is State.EVICTED:  # (its copy is replayable while `t` lives)
+            self.remat.restore(s)
+        self.remat.make_unevictable(s)
+        return out
 
     def _off_arena(self, leaves, kwargs) -> bool:
         """Whether every tensor an op reads lives on another device than the arena's, and it asks for none (a CPU

@@ -772,3 +772,28 @@ def test_rrelu_out_of_training_runs_under_a_budget_and_is_exact():
     with pytest.raises(coop_arena.UnsupportedOp, match="rrelu_with_noise"):
         with budget:
             torch.nn.functional.rrelu(torch.randn(8, 8) * 1, training=True)
+
+
+def test_a_tensor_made_from_python_data_in_the_block_lives_in_the_arena():
+    """`torch.tensor(data)` (and `as_tensor(list)`, `new_tensor`) is made by PyTorch outside any dispatch and only
+    lifted (`lift_fresh`) through the mode: it stayed outside the arena, uncounted, so a batch made from a list
+    escaped the budget. It is now copied into the arena, unevictable (nothing can recompute Python data)."""
+    data = [float(i % 97) / 7 for i in range(4096)]
+    w = torch.randn(4096, requires_grad=True)
+    budget = coop_arena.Budget(1 << 20, device="cpu")
+    with budget:
+        t = torch.tensor(data)
+        u = torch.as_tensor(data[:1024])
+        v = t.new_tensor(data[:512])
+        assert all(isinstance(x, coop_arena.Tensor) and budget.arena.owns(x.as_plain()) for x in (t, u, v))
+        kept = {s.sid: s.evictable for s in budget.memory.resident()}
+        assert all(not kept[x._cell.storage.sid] for x in (t, u, v))
+        ((w * t).sum() + u.sum() + v.sum()).backward()
+    assert budget.stats.peak_bytes >= (4096 + 1024 + 512) * 4
+    assert torch.equal(w.grad, torch.tensor(data)) and torch.equal(t, torch.tensor(data))
+    small = coop_arena.Budget(8192, device="cpu")
+    with pytest.raises(coop_arena.OutOfBudget):
+        with small:
+            torch.tensor(data)
+    with small:  # still usable
+        torch.tensor(data[:256]) * 2
