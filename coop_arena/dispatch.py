@@ -340,6 +340,8 @@ class Dispatch:
         the arena, uncounted (a batch's `torch.tensor(list)` escaped the budget). Its bytes are copied into the
         arena, where they stay unevictable: nothing can recompute data that came from Python."""
         out = self.run(aten.clone.default, (t,), {})
+        if not isinstance(out, Tensor):  # empty (transformers' cache starts as torch.tensor([])): nothing placed
+            return out
         s = out._cell.storage
         if s.state is State.EVICTED:  # (its copy is replayable while `t` lives)
             self.remat.restore(s)

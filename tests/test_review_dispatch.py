@@ -785,6 +785,8 @@ def test_a_tensor_made_from_python_data_in_the_block_lives_in_the_arena():
         t = torch.tensor(data)
         u = torch.as_tensor(data[:1024])
         v = t.new_tensor(data[:512])
+        empty = torch.tensor([], dtype=torch.float32)  # (transformers' key-value cache starts so)
+        assert torch.cat([empty, v]).shape == (512,)
         assert all(isinstance(x, coop_arena.Tensor) and budget.arena.owns(x.as_plain()) for x in (t, u, v))
         kept = {s.sid: s.evictable for s in budget.memory.resident()}
         assert all(not kept[x._cell.storage.sid] for x in (t, u, v))
