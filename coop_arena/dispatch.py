@@ -339,9 +339,9 @@ class Dispatch:
         Python data outside any dispatch, then lifts it (`lift_fresh`), the only op a mode sees. It was left outside
         the arena, uncounted (a batch's `torch.tensor(list)` escaped the budget). Its bytes are copied into the
         arena, where they stay unevictable: nothing can recompute data that came from Python."""
+        if not t.numel():  # nothing to place (transformers' key-value cache starts as torch.tensor([]))
+            return t
         out = self.run(aten.clone.default, (t,), {})
-        if not isinstance(out, Tensor):  # empty (transformers' cache starts as torch.tensor([])): nothing placed
-            return out
         s = out._cell.storage
         if s.state is State.EVICTED:  # (its copy is replayable while `t` lives)
             self.remat.restore(s)
@@ -528,8 +528,9 @@ class Dispatch:
         # What the recipe reads, not what the op did: a batch norm's recipe leaves out the running statistics it
         # updates (Rule 5), and its outputs taken for their readers made every later update keep them, and what
         # was computed from them, for good.
-        self._note_external_reads(ops.flatten(recipe.args, recipe.kwargs)[0],
-                                  [s for s in placed if s.payload.recipe is not None])
+        if placed and any(isinstance(a, torch.Tensor) for a in call.recorded):
+            self._note_external_reads(ops.flatten(recipe.args, recipe.kwargs)[0],
+                                      [s for s in placed if s.payload.recipe is not None])
 
     def _run_temporary(self, call: _Call, plan, host: bool = False):
         """The op computes its outputs into temporaries; each is copied into its own range at once, except those
