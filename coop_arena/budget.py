@@ -299,25 +299,27 @@ class Budget:
         interrupt stops the one before, and whatever part of them `_open` got to (Note [Interrupts])."""
         mode, hook, self._mode, self._module_hook = self._mode, self._module_hook, None, None
         attention, self._attention = self._attention, None
-        if attention is not None:
-            attention.__exit__(None, None, None)
         try:
-            if mode is not None and mode in _get_current_dispatch_mode_stack():
-                _leave(mode)
+            if attention is not None:
+                attention.__exit__(None, None, None)
         finally:
             try:
-                self._bookkeeping.close()
+                if mode is not None and mode in _get_current_dispatch_mode_stack():
+                    _leave(mode)
             finally:
                 try:
-                    if getattr(_active, "budget", None) is self:
-                        _active.budget = None
+                    self._bookkeeping.close()
                 finally:
                     try:
-                        if mode is not None:
-                            mode.steps.remove()
+                        if getattr(_active, "budget", None) is self:
+                            _active.budget = None
                     finally:
-                        if hook is not None:
-                            hook.remove()
+                        try:
+                            if mode is not None:
+                                mode.steps.remove()
+                        finally:
+                            if hook is not None:
+                                hook.remove()
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if self._mode is None or self._owner != threading.get_ident():

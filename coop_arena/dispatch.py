@@ -33,7 +33,7 @@ from .arena import grew
 from .bookkeeping import run_outside
 from .cost import op_cost
 from .errors import BudgetUsageError, UnsupportedOp, _internal_assert
-from .recipe import ArgRef, Data, Recipe, capture_rng, dead_ref, plain_dispatch
+from .recipe import ArgRef, Data, Recipe, capture_rng, dead_ref, plain_dispatch, rewind
 from .storage import State, Storage
 from .tensor import Tensor, with_bits
 
@@ -309,7 +309,7 @@ class Dispatch:
                                   sizing=self.runtime.sizing and not call.op.uninitialized)
         if isinstance(plan, placement.Sizing):  # a new shape, sized by the device: Note [Shapes that change]
             self._bind(call, owner)
-            result = self._run_temporary(call, None)
+            result = self._run_temporary(call, None, direct=plan.like.out_op is not None or call.op.uninitialized)
             placement.sized(call.func, call.args, call.kwargs, self.device.type, plan.like,
                             list(result) if isinstance(result, (tuple, list)) else [result], call.cost)
             return result
@@ -341,6 +341,8 @@ class Dispatch:
         arena, where they stay unevictable: nothing can recompute data that came from Python."""
         if not t.numel():  # nothing to place (transformers' key-value cache starts as torch.tensor([]))
             return t
+        if not t.untyped_storage().resizable():  # memory it shares with its maker (from_numpy, as_tensor(ndarray),
+            return t                              # frombuffer): a copy would no longer see, or make, their writes
         out = self.run(aten.clone.default, (t,), {})
         s = out._cell.storage
         if s.state is State.EVICTED:  # (its copy is replayable while `t` lives)
@@ -425,6 +427,32 @@ class Dispatch:
                 out.append((pos, s))
         return out
 
+    def _settle_hidden(self, externals, written) -> None:
+        """See Rule 5: before an op writes external tensors its schema does not mark (known from an earlier call of
+        its configuration), what was computed from their old values is settled, while they still hold them: a
+        storage evicted then would otherwise be restored from the values the op leaves."""
+        self.runtime.settle([t for pos, t in externals if pos in written])
+
+    def _settle_probed(self, probe, written) -> None:
+        """The first call of a configuration found its hidden writes only once they were done: what read the old
+        values is settled with the old bytes (the probe's host copies) put back for the time of it, all of them at
+        once (a batch norm's replay reads both statistics)."""
+        swapped = [(t, before) for pos, t, _, before in probe if pos in written]
+        if not any(self._ext_readers.get(t.untyped_storage()._cdata) for t, _ in swapped):
+            return
+        with plain_dispatch(), torch.no_grad():
+            now = []
+            try:
+                for t, before in swapped:
+                    d = t.detach()
+                    now.append((d, d._version, d.clone()))
+                    d.copy_(before.to(d.device).view(d.dtype).reshape(d.shape))
+                self.runtime.settle([t for t, _ in swapped])
+            finally:
+                for d, version, new in now:
+                    d.copy_(new)
+                    torch._C._autograd._unsafe_set_version_counter((d,), (version,))
+
     def _hidden_writes(self, call: _Call, recipe: Recipe, externals, written) -> bool:
         """See Rule 5: writes into external tensors the schema does not mark; and unmarked writes in the arena
         (_STATS_WRITES, _RESERVE_WRITES). Returns whether the outputs stay evictable. Arguments the kernel did
@@ -462,6 +490,8 @@ class Dispatch:
             probe = None
             if written is None:  # first call of this op and configuration: Note [Probing for hidden writes]
                 probe = _probe(externals)
+            else:
+                self._settle_hidden(externals, written)
             guard = plan.out_op is not None and not plan.checked and self.device.type != "meta"
             views = [(self._fixed_view if guard else self.arena.view)(s.offset, o.dtype, o.size, o.stride, 0)
                      if s is not None else torch.empty(o.size, dtype=o.dtype, device=self.device)
@@ -486,6 +516,7 @@ class Dispatch:
             self._account(plan.cost)
             if probe is not None:
                 written = key[0][key[1]] = _probed_writes(probe)
+                self._settle_probed(probe, written)
             rargs, rkwargs = ops.unflatten(call.recorded, call.spec)
             recipe = Recipe.make(func, rargs, rkwargs, rng, plan.cost, uninitialized=call.op.uninitialized,
                                  grad_mode=torch.is_grad_enabled(), direct=plan)
@@ -532,14 +563,18 @@ class Dispatch:
             self._note_external_reads(ops.flatten(recipe.args, recipe.kwargs)[0],
                                       [s for s in placed if s.payload.recipe is not None])
 
-    def _run_temporary(self, call: _Call, plan, host: bool = False):
+    def _run_temporary(self, call: _Call, plan, host: bool = False, direct: bool = False):
         """The op computes its outputs into temporaries; each is copied into its own range at once, except those
-        left outside the arena (`host`: all of them, see _host_index; _HOST_OUTPUTS)."""
+        left outside the arena (`host`: all of them, see _host_index; _HOST_OUTPUTS). `direct`: a dry run places
+        this call's outputs directly (_run_direct), before the clock moves by its cost: so are they here, so that
+        the decisions agree (Note [Shapes that change] in placement.py)."""
         func = call.func
         externals, key, written = self._externals(call, plan)
         probe = None
         if written is None:  # Note [Probing for hidden writes]
             probe = _probe(externals)
+        else:
+            self._settle_hidden(externals, written)
         rng = capture_rng(self.device, call.op, call.pargs, call.pkwargs)
         out = self._call_op(call)
         if call.op.random is None:  # Note [Custom ops that draw]
@@ -550,10 +585,12 @@ class Dispatch:
             out_leaves = [placement.as_planned(o, spec) for o, spec in zip(out_leaves, plan.outputs)]
         cost = call.cost = plan.cost if plan is not None else op_cost(call.op.flops, call.pargs, call.pkwargs,
                                                                       call.plain, out_leaves, out)
-        self._account(cost)
+        if not direct:
+            self._account(cost)
         self.memory.may_relocate = True  # the op has run: its inputs' views are dead, they may move
         if probe is not None:
             written = key[0][key[1]] = _probed_writes(probe)
+            self._settle_probed(probe, written)
         rargs, rkwargs = ops.unflatten(call.recorded, call.spec)
         recipe = Recipe.make(func, rargs, rkwargs, rng, cost, uninitialized=call.op.uninitialized,
                              grad_mode=torch.is_grad_enabled())
@@ -574,7 +611,10 @@ class Dispatch:
             for s in placed:
                 self.memory.unpin(s)
                 self.lifetime.forget(s)
+            rewind(rng)
             raise
+        if direct:
+            self._account(cost)
         self.counters.count_placed(temporary, temporary, alive)
         self._placed(call, placed, recipe)
         return tuple(out_leaves) if isinstance(out, tuple) else (out_leaves if isinstance(out, list) else out_leaves[0])

@@ -163,6 +163,7 @@ _PLANS: dict = {}
 _PLANS_MAX = 1 << 14  # configurations kept; the cache starts over when full (shapes or scalars that change every
                       # step would otherwise grow it without end)
 _SHAPE_FREE: dict = {}  # shape-free key -> a plan its device may size new shapes of (Note [Shapes that change])
+_UNSIZED: set = set()   # configurations their device's run could not plan (laid out otherwise): planned on meta
 _DECOMPOSES: dict = {}
 _OUT_VARIANTS: dict = {}
 _WRITES_IN_PLACE: dict = {}
@@ -192,13 +193,14 @@ def plan_for(func, op, args, kwargs, device_type: str, sizing: bool = False) -> 
     except TypeError:  # an unhashable argument: no cache for this call
         return _make_plan(func, op, leaves, spec, device_type)
     free = _shape_free(key)
-    if sizing and device_type != "meta":
+    if sizing and device_type != "meta" and key not in _UNSIZED:
         like = _SHAPE_FREE.get(free)
         if like is not None:
             return like if like.aliases or like.decomposes else Sizing(like)  # (a view, or parts, at any shape)
     if len(_PLANS) >= _PLANS_MAX:
         _PLANS.clear()
         _SHAPE_FREE.clear()
+        _UNSIZED.clear()
     p = _PLANS[key] = _make_plan(func, op, leaves, spec, device_type)
     if device_type != "meta" and _sizes_from_device(func, p):
         _SHAPE_FREE[free] = p
@@ -217,9 +219,11 @@ def sized(func, args, kwargs, device_type: str, like: OpPlan, outs, cost: float)
             continue
         size, stride = tuple(o.size()), tuple(o.stride())
         if like.out_op is not None and (not _default_contiguous(size, stride) or o.storage_offset()):
+            _UNSIZED.add(_plan_key(func, *ops.flatten(args, kwargs), device_type))
             return
         specs.append(OutSpec(size, stride, o.dtype, span_bytes(size, stride, o.element_size())))
     if len(specs) != len(like.outputs) or any((a is None) != (b is None) for a, b in zip(specs, like.outputs)):
+        _UNSIZED.add(_plan_key(func, *ops.flatten(args, kwargs), device_type))
         return
     _store(func, args, kwargs, device_type, dataclasses.replace(like, outputs=tuple(specs), cost=cost, checked=[],
                                                                 learned=[]))

@@ -225,6 +225,18 @@ def plain_dispatch():
         yield
 
 
+def rewind(saved) -> None:
+    """Put a generator back at the state `capture_rng` saved: an op that drew, then failed to place its outputs
+    (Rule 7; plain PyTorch allocates before it draws)."""
+    if saved is None:
+        return
+    gen, state = saved
+    if isinstance(state, torch.Tensor):
+        gen.set_state(state)
+    else:  # Note [Swapping a CUDA generator's state]
+        gen.graphsafe_set_state(state.clone_state())
+
+
 @whole_contextmanager
 def replaying(recipe: Recipe):
     """The conditions the op first ran under: grad mode and, for a random op, the generator state (Rule 4)."""

@@ -732,3 +732,46 @@ def test_a_spectral_norm_discriminator_run_twice_fits_at_half_its_peak(policy):
     everything = coop_arena.Budget(1 << 24, policy=policy)
     assert bitwise_equal(spectral_norm_gan_step(everything, evict_all=True), expected)
     assert everything.stats.rematerializations > 10
+
+
+@pytest.mark.parametrize("probed", [False, True])
+def test_what_read_the_old_running_statistics_comes_back_with_them(probed):
+    # An eval-mode batch norm reads the running statistics; a training-mode call then updates them, a write its
+    # schema hides. What read the old values, evicted, was restored from the new ones: settled after the op ran
+    # (and, on the configuration's first call, one statistic at a time).
+    def run(budget=None):
+        torch.manual_seed(0)
+        bn, lin = nn.BatchNorm1d(16), nn.Linear(16, 16)
+        bn.running_mean.normal_(), bn.running_var.uniform_(0.5, 2)
+        x, x2 = torch.randn(8, 16), torch.randn(8, 16)
+        with budget if budget is not None else torch.no_grad():
+            if probed:  # the hidden write is known before the call below
+                bn.train(), bn(x2)
+            bn.eval()
+            y = bn(x)
+            h = lin(y).tanh()
+            if budget is not None:
+                for s in budget.memory.resident():
+                    if s.evictable and s.pins == 0:
+                        budget.memory.evict(s)
+            bn.train()
+            z = bn(x2)
+            out = [y * 1, h * 1, z * 1]
+        return [o.detach() for o in out]
+
+    from coop_arena import placement
+    placement._PLANS.clear()
+    expected = run()
+    assert bitwise_equal(run(coop_arena.Budget(1 << 20)), expected)
+
+
+def test_a_tensor_from_numpy_in_the_block_shares_its_memory():
+    import numpy as np
+    a = np.zeros(3, dtype=np.float32)
+    with coop_arena.Budget(1 << 20):
+        t = torch.as_tensor(a)
+        u = torch.from_numpy(a)
+        t.add_(1)
+        a[1] = 5
+        assert u[1].item() == 5
+    assert a.tolist() == [1.0, 5.0, 1.0]
