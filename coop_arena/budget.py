@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import (TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode,
                                           _get_current_dispatch_mode_stack, _pop_mode, _push_mode)
 
@@ -120,6 +121,29 @@ class _DryAttention(torch.overrides.TorchFunctionMode):
     the same sizes, strides of the last dimension and dtypes (no memory), and the CPU path is replayed as its
     composite kernel runs it: a boolean mask becomes an additive one, then the fused op."""
 
+    # A mode is off while it handles a call, so a function that reaches it first and calls attention inside
+    # (F.multi_head_attention_forward, under nn.MultiheadAttention and nn.Transformer*) ran the math path; such
+    # functions read F's module attribute, which points at the CPU's choice while any dry run's block is open
+    # (`_dry_sdpa`, which calls the original for tensors that are not on meta).
+    _open = 0
+    _lock = threading.Lock()
+
+    def __enter__(self):
+        with _DryAttention._lock:
+            if _DryAttention._open == 0:
+                F.scaled_dot_product_attention = _dry_sdpa
+            _DryAttention._open += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            with _DryAttention._lock:
+                _DryAttention._open -= 1
+                if _DryAttention._open == 0:
+                    F.scaled_dot_product_attention = torch._C._nn.scaled_dot_product_attention
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch._C._nn.scaled_dot_product_attention:
@@ -127,6 +151,12 @@ class _DryAttention(torch.overrides.TorchFunctionMode):
             if out is not None:
                 return out
         return func(*args, **kwargs)
+
+
+def _dry_sdpa(*args, **kwargs):
+    """`F.scaled_dot_product_attention` while a dry run's block is open (_DryAttention)."""
+    out = _cpu_attention(*args, **kwargs)
+    return out if out is not None else torch._C._nn.scaled_dot_product_attention(*args, **kwargs)
 
 
 def _stand_in(t: torch.Tensor) -> torch.Tensor:

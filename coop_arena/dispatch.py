@@ -318,7 +318,7 @@ class Dispatch:
             return self._run_view(call)
         if plan is not None and placement.learns_layout(plan, self.device.type):  # See Note [Direct placement]
             self._bind(call, owner)
-            result = self._run_temporary(call, plan)
+            result = self._run_temporary(call, plan, direct=True)  # (a dry run places this call directly)
             if placement.same_layout(plan, list(result) if isinstance(result, (tuple, list)) else [result]):
                 plan.learned.append(True)
             else:

@@ -2,8 +2,10 @@
 
 import io
 import pytest
+import torch
 from rich.console import Console
 
+import coop_arena
 from coop_arena.cli import main
 from coop_arena.plan import parse_budget, plan
 
@@ -155,3 +157,25 @@ def test_plan_of_a_factory_takes_a_mapping_output_and_says_what_a_bad_factory_re
         with pytest.raises(SystemExit):
             main(["plan", f"factories:{spec}"])
         assert said in capsys.readouterr().err, spec
+
+
+def test_a_dry_run_of_multihead_attention_takes_the_cpus_attention_kernel():
+    """nn.MultiheadAttention calls attention from F.multi_head_attention_forward, which reaches a torch-function
+    mode first: the mode is off while it handles a call, so the dry run took the math path (68 ops, a quarter more
+    peak) where the CPU runs its fused kernel (60 ops)."""
+    def step(device, nbytes):
+        torch.manual_seed(0)
+        layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True).to(device)
+        x = torch.randn(4, 16, 32).to(device)
+        mask = (torch.arange(16)[None] >= torch.tensor([16, 9, 12, 5])[:, None]).to(device)
+        budget = coop_arena.Budget(nbytes, device=device)
+        with budget:
+            layer(x, src_key_padding_mask=mask).square().mean().backward()
+        s = budget.stats
+        return s.ops, s.peak_bytes, s.evictions, s.rematerializations, s.compute_overhead
+
+    peak = step("cpu", 1 << 24)[1]
+    for nbytes in (1 << 24, int(peak * 0.75)):
+        assert step("cpu", nbytes) == step("meta", nbytes)
+    assert step("cpu", int(peak * 0.75))[2] > 0
+    assert torch.nn.functional.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
