@@ -94,6 +94,17 @@ def _named(call: _Call, name: str) -> tuple:
     return pos, ops.arg(call.args, call.kwargs, pos, name, False)
 
 
+def _stats_written(call: _Call, externals) -> frozenset:
+    """The positions among `externals` a batch norm (_STATS_WRITES) writes although its schema does not mark them:
+    its running statistics, in training. Known from the op, not probed: a first call whose update leaves a
+    statistic's bytes as they were (a batch of zeros, whose mean is the running mean's initial 0) would have them
+    recorded as never written, for good, and a dry run on meta, which cannot probe, settles them as the device does."""
+    if not _named(call, "training")[1]:
+        return frozenset()
+    stats = {_named(call, name)[0] for name in _STATS}
+    return frozenset(pos for pos, _ in externals if pos in stats)
+
+
 def _keeps_outputs(call: _Call) -> bool:
     """Whether the op draws from an engine's own dropout state in training (_OWN_DROPOUT_STATE), or wrote the
     reserve space in the arena (_RESERVE_WRITES): its outputs are kept."""
@@ -144,12 +155,17 @@ def _rrelu_in_eval(args, kwargs):
 # costs two copies to the host per argument and configuration, in the first step only.
 def _probe(externals) -> list:
     """(position, tensor, version, host copy) of the op's tensor arguments from outside the arena, before it runs."""
-    return [(pos, t, t._version, _host_bytes(t)) for pos, t in externals]
+    return [(pos, t, _version(t), _host_bytes(t)) for pos, t in externals]
 
 
 def _probed_writes(probe) -> frozenset:
     """The positions among `probe` that the op wrote (torch.equal on raw bytes: a NaN is equal to itself)."""
-    return frozenset(pos for pos, t, v, before in probe if t._version != v or not torch.equal(_host_bytes(t), before))
+    return frozenset(pos for pos, t, v, before in probe if _version(t) != v or not torch.equal(_host_bytes(t), before))
+
+
+def _version(t: torch.Tensor):
+    """`t._version`, or None for an inference tensor (made under torch.inference_mode), which has no counter."""
+    return None if t.is_inference() else t._version
 
 
 def _host_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -400,6 +416,8 @@ class Dispatch:
         externals = [(pos, t) for pos, name, _ in call.op.tensor_args
                      if isinstance(t := ops.arg(call.pargs, call.pkwargs, pos, name, False), torch.Tensor)
                      and not self.arena.owns(t)]
+        if externals and call.func in _STATS_WRITES:  # known without a probe, on every device (a dry run too)
+            return externals, None, _stats_written(call, externals)
         if not externals or self.device.type == "meta":
             return externals, None, frozenset()
         where = tuple(pos for pos, _ in externals)
@@ -445,13 +463,14 @@ class Dispatch:
             try:
                 for t, before in swapped:
                     d = t.detach()
-                    now.append((d, d._version, d.clone()))
+                    now.append((d, _version(d), d.clone()))
                     d.copy_(before.to(d.device).view(d.dtype).reshape(d.shape))
                 self.runtime.settle([t for t, _ in swapped])
             finally:
                 for d, version, new in now:
                     d.copy_(new)
-                    torch._C._autograd._unsafe_set_version_counter((d,), (version,))
+                    if version is not None:
+                        torch._C._autograd._unsafe_set_version_counter((d,), (version,))
 
     def _hidden_writes(self, call: _Call, recipe: Recipe, externals, written) -> bool:
         """See Rule 5: writes into external tensors the schema does not mark; and unmarked writes in the arena
