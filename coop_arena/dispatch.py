@@ -84,6 +84,20 @@ _UNREAD_IN_TRAINING = {  # op -> (unread positions, the position of its `train` 
     aten.miopen_batch_norm_backward.default: ((3, 4), None),
 }
 
+# Ops that take a storage offset counting from the start of their tensor's storage, which in a Budget is the
+# arena's (its value would also have to follow the tensor when it is restored elsewhere): an explicit one is
+# refused, not translated; left out (None), the kernel takes the tensor's own, which is right.
+_OFFSET_IN_STORAGE = {aten.as_strided_scatter.default: 4, aten.as_strided_copy.default: 3}
+
+
+def _refuse_storage_offset(func, args, kwargs) -> None:
+    if ops.arg(args, kwargs, _OFFSET_IN_STORAGE[func], "storage_offset", False) is not None:
+        raise UnsupportedOp(func, "its storage_offset counts from the start of the tensor's storage, which inside a "
+                                  "Budget is the arena's, so it would read or write other tensors' bytes; leave "
+                                  "storage_offset out (the tensor's own is used), or call it on a tensor from "
+                                  "outside the block")
+
+
 # Ops whose output shape, or a Python value they return, depends on tensor values (Dispatch._call_op)
 _DATA_DEPENDENT = {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output}
 
@@ -212,6 +226,8 @@ class Dispatch:
             lifetime.drain()
         if func is _RRELU:
             func, args, kwargs = _rrelu_in_eval(args, kwargs)
+        elif func in _OFFSET_IN_STORAGE and isinstance(args[0], Tensor):
+            _refuse_storage_offset(func, args, kwargs)
         elif (func is aten.lift_fresh.default and not isinstance(args[0], Tensor) and args[0].device == self.device
               and not (self.bookkeeping is not None and self.bookkeeping.active())):  # (an optimizer's state: not)
             return self._lifted(args[0])

@@ -799,3 +799,22 @@ def test_a_tensor_made_from_python_data_in_the_block_lives_in_the_arena():
             torch.tensor(data)
     with small:  # still usable
         torch.tensor(data[:256]) * 2
+
+
+def test_as_strided_scatter_with_an_explicit_storage_offset_is_refused_and_without_one_is_exact():
+    """The offset counts from the start of the tensor's storage, inside a Budget the arena's: it wrote another
+    place silently. Refused; without it the kernel takes the tensor's own offset and is exact."""
+    x, s = torch.randn(6, 4), torch.randn(2, 2)
+    budget = coop_arena.Budget(1 << 20, device="cpu")
+    with budget:
+        pad = torch.ones(100) * 1
+        y = x * 2
+        with pytest.raises(coop_arena.UnsupportedOp, match="storage_offset"):
+            torch.as_strided_scatter(y, s, (2, 2), (1, 2), 3)
+        with pytest.raises(coop_arena.UnsupportedOp, match="storage_offset"):
+            torch.as_strided_copy(y, (2, 2), (1, 2), 3)
+        got = torch.as_strided_scatter(y, s, (2, 2), (1, 2))
+        copied = torch.as_strided_copy(y, (2, 2), (1, 2))
+    assert pad.shape == (100,)
+    assert torch.equal(got, torch.as_strided_scatter(x * 2, s, (2, 2), (1, 2)))
+    assert torch.equal(copied, torch.as_strided_copy(x * 2, (2, 2), (1, 2)))
