@@ -157,28 +157,28 @@ def run_outside(dispatch, func, args, kwargs, written) -> object:
     return func(*tree_map(_plain, args), **tree_map(_plain, kwargs))
 
 
+def _outside(original, inside=lambda self: False):
+    """`original`, a method, run with the Budget's dispatch mode set aside while a block is open (unless
+    `inside(self)`): what it makes is state kept across steps, outside the arena (Rule 1)."""
+    @functools.wraps(original)
+    def run(self, *args, **kwargs):
+        if patches.current() is None or inside(self):
+            return original(self, *args, **kwargs)
+        with whole(_disable_current_modes()):  # Note [Interrupts] in recipe.py
+            return original(self, *args, **kwargs)
+    return run
+
+
 def _copied_outside(original):
     """A deep copy of a tensor from before the block (copy.deepcopy of a module: an EMA or target network) is
     state kept across steps, made outside the arena like the original (Rule 1). Wrappers copy themselves."""
-    @functools.wraps(original)
-    def run(self, memo):
-        if patches.current() is None or isinstance(self, Tensor):
-            return original(self, memo)
-        with whole(_disable_current_modes()):  # Note [Interrupts] in recipe.py
-            return original(self, memo)
-    return run
+    return _outside(original, inside=lambda self: isinstance(self, Tensor))
 
 
 def _materialized_outside(original):
     """A lazy module's parameter materialized in its first forward (`nn.LazyLinear` inside the first block) is
     model state kept across steps, made outside the arena like a parameter from before the block (Rule 1)."""
-    @functools.wraps(original)
-    def run(self, *args, **kwargs):
-        if patches.current() is None:
-            return original(self, *args, **kwargs)
-        with whole(_disable_current_modes()):  # Note [Interrupts] in recipe.py
-            return original(self, *args, **kwargs)
-    return run
+    return _outside(original)
 
 
 def _data_guarded(original):

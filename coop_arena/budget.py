@@ -145,12 +145,9 @@ class _DryAttention(torch.overrides.TorchFunctionMode):
                     F.scaled_dot_product_attention = torch._C._nn.scaled_dot_product_attention
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch._C._nn.scaled_dot_product_attention:
-            out = _cpu_attention(*args, **kwargs)
-            if out is not None:
-                return out
-        return func(*args, **kwargs)
+        if func is torch._C._nn.scaled_dot_product_attention:  # (bound before the block: F's attribute not read)
+            func = _dry_sdpa
+        return func(*args, **(kwargs or {}))
 
 
 def _dry_sdpa(*args, **kwargs):

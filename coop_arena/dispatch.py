@@ -342,8 +342,7 @@ class Dispatch:
         if isinstance(plan, placement.Sizing):  # a new shape, sized by the device: Note [Shapes that change]
             self._bind(call, owner)
             result = self._run_temporary(call, None, direct=plan.like.out_op is not None or call.op.uninitialized)
-            placement.sized(call.func, call.args, call.kwargs, self.device.type, plan.like,
-                            list(result) if isinstance(result, (tuple, list)) else [result], call.cost)
+            placement.sized(plan, list(result) if isinstance(result, (tuple, list)) else [result], call.cost)
             return result
         if plan is not None and plan.aliases:
             self._bind(call, owner)
@@ -461,11 +460,21 @@ class Dispatch:
                 out.append((pos, s))
         return out
 
-    def _settle_hidden(self, externals, written) -> None:
-        """See Rule 5: before an op writes external tensors its schema does not mark (known from an earlier call of
-        its configuration), what was computed from their old values is settled, while they still hold them: a
-        storage evicted then would otherwise be restored from the values the op leaves."""
+    def _before_hidden_writes(self, externals, written):
+        """See Rule 5: before an op writes external tensors its schema does not mark, what was computed from their
+        old values is settled, while they still hold them (a storage evicted then would otherwise be restored from
+        the values the op leaves). The first call of a configuration, whose writes are not known yet, probes them
+        instead (Note [Probing for hidden writes]): returns the probe, for `_after_probe`."""
+        if written is None:
+            return _probe(externals)
         self.runtime.settle([t for pos, t in externals if pos in written])
+        return None
+
+    def _after_probe(self, probe, key) -> frozenset:
+        """The writes a first call's probe found: remembered under `key`, and settled (_settle_probed)."""
+        written = key[0][key[1]] = _probed_writes(probe)
+        self._settle_probed(probe, written)
+        return written
 
     def _settle_probed(self, probe, written) -> None:
         """The first call of a configuration found its hidden writes only once they were done: what read the old
@@ -502,8 +511,7 @@ class Dispatch:
                 recipe.without_arg(pos)
         evictable = not call.op.effectful
         for pos, t in externals:
-            if pos in written:
-                self._freeze_readers_of_external(t)
+            if pos in written:  # (settled before the op ran, or by its probe: _before_hidden_writes, _after_probe)
                 optional = any(p == pos and opt for p, _, opt in call.op.tensor_args)
                 if optional and pos < len(recipe.args):
                     recipe.without_arg(pos)
@@ -522,11 +530,7 @@ class Dispatch:
                                               inputs=call.inputs, pinned=True, op=call.op.name) if spec.nbytes else None)
             self._bind(call, owner)
             externals, key, written = self._externals(call, plan)
-            probe = None
-            if written is None:  # first call of this op and configuration: Note [Probing for hidden writes]
-                probe = _probe(externals)
-            else:
-                self._settle_hidden(externals, written)
+            probe = self._before_hidden_writes(externals, written)
             guard = plan.out_op is not None and not plan.checked and self.device.type != "meta"
             views = [(self._fixed_view if guard else self.arena.view)(s.offset, o.dtype, o.size, o.stride, 0)
                      if s is not None else torch.empty(o.size, dtype=o.dtype, device=self.device)
@@ -550,8 +554,7 @@ class Dispatch:
             memory.may_relocate = True
             self._account(plan.cost)
             if probe is not None:
-                written = key[0][key[1]] = _probed_writes(probe)
-                self._settle_probed(probe, written)
+                written = self._after_probe(probe, key)
             rargs, rkwargs = ops.unflatten(call.recorded, call.spec)
             recipe = Recipe.make(func, rargs, rkwargs, rng, plan.cost, uninitialized=call.op.uninitialized,
                                  grad_mode=torch.is_grad_enabled(), direct=plan)
@@ -605,11 +608,7 @@ class Dispatch:
         the decisions agree (Note [Shapes that change] in placement.py)."""
         func = call.func
         externals, key, written = self._externals(call, plan)
-        probe = None
-        if written is None:  # Note [Probing for hidden writes]
-            probe = _probe(externals)
-        else:
-            self._settle_hidden(externals, written)
+        probe = self._before_hidden_writes(externals, written)
         rng = capture_rng(self.device, call.op, call.pargs, call.pkwargs)
         out = self._call_op(call)
         if call.op.random is None:  # Note [Custom ops that draw]
@@ -624,8 +623,7 @@ class Dispatch:
             self._account(cost)
         self.memory.may_relocate = True  # the op has run: its inputs' views are dead, they may move
         if probe is not None:
-            written = key[0][key[1]] = _probed_writes(probe)
-            self._settle_probed(probe, written)
+            written = self._after_probe(probe, key)
         rargs, rkwargs = ops.unflatten(call.recorded, call.spec)
         recipe = Recipe.make(func, rargs, rkwargs, rng, cost, uninitialized=call.op.uninitialized,
                              grad_mode=torch.is_grad_enabled())

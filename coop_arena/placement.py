@@ -170,13 +170,13 @@ _WRITES_IN_PLACE: dict = {}
 
 
 class Sizing:
-    """What `plan_for` gives a new configuration whose shape-free plan is `like` (Note [Shapes that change]): run
-    the op on the device into temporaries, then hand its outputs to `sized`."""
+    """What `plan_for` gives a new configuration (its cache `key`) whose shape-free plan is `like` (Note [Shapes
+    that change]): run the op on the device into temporaries, then hand its outputs to `sized`."""
 
-    __slots__ = ("like",)
+    __slots__ = ("key", "like")
 
-    def __init__(self, like: OpPlan):
-        self.like = like
+    def __init__(self, key: tuple, like: OpPlan):
+        self.key, self.like = key, like
 
 
 def plan_for(func, op, args, kwargs, device_type: str, sizing: bool = False) -> OpPlan | Sizing | None:
@@ -192,41 +192,40 @@ def plan_for(func, op, args, kwargs, device_type: str, sizing: bool = False) -> 
         pass
     except TypeError:  # an unhashable argument: no cache for this call
         return _make_plan(func, op, leaves, spec, device_type)
-    free = _shape_free(key)
-    if sizing and device_type != "meta" and key not in _UNSIZED:
+    free = _shape_free(key) if device_type != "meta" else None  # (a dry run plans every shape on meta)
+    if sizing and free is not None and key not in _UNSIZED:
         like = _SHAPE_FREE.get(free)
         if like is not None:
-            return like if like.aliases or like.decomposes else Sizing(like)  # (a view, or parts, at any shape)
+            return like if like.aliases or like.decomposes else Sizing(key, like)  # (a view, or parts, at any shape)
     if len(_PLANS) >= _PLANS_MAX:
         _PLANS.clear()
         _SHAPE_FREE.clear()
         _UNSIZED.clear()
     p = _PLANS[key] = _make_plan(func, op, leaves, spec, device_type)
-    if device_type != "meta" and _sizes_from_device(func, p):
+    if free is not None and _sizes_from_device(func, p):
         _SHAPE_FREE[free] = p
     return p
 
 
-def sized(func, args, kwargs, device_type: str, like: OpPlan, outs, cost: float) -> None:
-    """Keep the plan of this configuration made from the outputs `outs` its run on the device gave (wrapped as
-    placed): always for an op that takes the temporary path anyway (no out= variant); for one placed directly,
-    when they are contiguous in the default format, as `like`'s (else its next call is planned on `meta`). See
-    Note [Shapes that change]."""
-    specs = []
+def sized(sizing: Sizing, outs, cost: float) -> None:
+    """Keep the plan of `sizing`'s configuration made from the outputs `outs` its run on the device gave (wrapped
+    as placed): always for an op that takes the temporary path anyway (no out= variant); for one placed directly,
+    when they are contiguous in the default format, as its shape-free plan's (else it is planned on `meta` from
+    then on: _UNSIZED). See Note [Shapes that change]."""
+    like, specs = sizing.like, []
     for o in outs:
         if not isinstance(o, torch.Tensor):
             specs.append(None)
             continue
         size, stride = tuple(o.size()), tuple(o.stride())
         if like.out_op is not None and (not _default_contiguous(size, stride) or o.storage_offset()):
-            _UNSIZED.add(_plan_key(func, *ops.flatten(args, kwargs), device_type))
+            _UNSIZED.add(sizing.key)
             return
         specs.append(OutSpec(size, stride, o.dtype, span_bytes(size, stride, o.element_size())))
     if len(specs) != len(like.outputs) or any((a is None) != (b is None) for a, b in zip(specs, like.outputs)):
-        _UNSIZED.add(_plan_key(func, *ops.flatten(args, kwargs), device_type))
+        _UNSIZED.add(sizing.key)
         return
-    _store(func, args, kwargs, device_type, dataclasses.replace(like, outputs=tuple(specs), cost=cost, checked=[],
-                                                                learned=[]))
+    _PLANS[sizing.key] = dataclasses.replace(like, outputs=tuple(specs), cost=cost, checked=[], learned=[])
 
 
 def _shape_free(key: tuple) -> tuple:

@@ -255,18 +255,14 @@ def _rng(saved):
         yield
         return
     gen, state = saved
-    if not isinstance(state, torch.Tensor):  # a copy of a CUDA generator's state, not get_state()'s bytes: Note
-        # [Swapping a CUDA generator's state]
-        now = gen.graphsafe_get_state()
-        try:
-            gen.graphsafe_set_state(state.clone_state())
-            yield
-        finally:
-            gen.graphsafe_set_state(now)
-        return
-    now = gen.get_state()
+    swaps = not isinstance(state, torch.Tensor)  # a copy of a CUDA generator's state, not get_state()'s bytes: Note
+    # [Swapping a CUDA generator's state]
+    now = gen.graphsafe_get_state() if swaps else gen.get_state()
     try:
-        gen.set_state(state)
+        rewind(saved)
         yield
     finally:
-        gen.set_state(now)
+        if swaps:
+            gen.graphsafe_set_state(now)
+        else:
+            gen.set_state(now)

@@ -28,6 +28,16 @@ def peak_of(step) -> int:
     return probe.stats.peak_bytes
 
 
+def exact_under_eviction(run, num: int = 1, den: int = 2, **budget_kw) -> coop_arena.Budget:
+    """`run(budget)` under a Budget of num/den of its plain peak (peak_of) returns bitwise what `run(None)` (plain
+    PyTorch) returns, and evicts; the Budget, for more checks."""
+    reference = run(None)
+    budget = coop_arena.Budget(peak_of(run) * num // den, device="cpu", **budget_kw)
+    assert bitwise_equal(reference, run(budget))
+    assert budget.stats.evictions > 0
+    return budget
+
+
 def global_hooks() -> tuple:
     return (len(optim_module._global_optimizer_pre_hooks), len(optim_module._global_optimizer_post_hooks),
             len(nn_module._global_forward_pre_hooks))
@@ -465,12 +475,7 @@ def test_a_parameter_updated_in_place_inside_the_block_keeps_training_exact():
                         p.grad = None
         return [p.detach().clone() for p in model.parameters()]
 
-    reference = run(None)
-    probe = coop_arena.Budget(1 << 26, device="cpu")
-    run(probe)
-    budget = coop_arena.Budget(probe.stats.peak_bytes // 2, device="cpu")
-    assert bitwise_equal(reference, run(budget))
-    assert budget.stats.evictions > 0
+    exact_under_eviction(run)
 
 
 @pytest.mark.parametrize("policy", ["coop", "dtr"])
@@ -495,13 +500,7 @@ def test_backward_with_create_graph_keeps_the_gradients_graph(policy):
             model.zero_grad(set_to_none=True)
         return out
 
-    reference = run(None)
-    probe = coop_arena.Budget(1 << 26, device="cpu")
-    run(probe)
-    budget = coop_arena.Budget(probe.stats.peak_bytes // 2, device="cpu", policy=policy,
-                               partition=policy == "coop")
-    assert bitwise_equal(reference, run(budget))
-    assert budget.stats.evictions > 0
+    exact_under_eviction(run, policy=policy, partition=policy == "coop")
 
 
 def test_a_lazy_module_materialized_inside_the_block_is_plain_state():
@@ -524,12 +523,7 @@ def test_a_lazy_module_materialized_inside_the_block_is_plain_state():
                    for p in model.parameters())
         return [p.detach().clone() for p in model.parameters()]
 
-    reference = run(None)
-    probe = coop_arena.Budget(1 << 26, device="cpu")
-    run(probe)
-    budget = coop_arena.Budget(probe.stats.peak_bytes // 2, device="cpu")
-    assert bitwise_equal(reference, run(budget))
-    assert budget.stats.evictions > 0
+    exact_under_eviction(run)
 
 
 def test_a_module_deep_copied_inside_the_block_is_plain_state():
@@ -608,12 +602,8 @@ def test_parameters_freed_after_forward_and_refilled_before_backward_keep_traini
             h.square().mean().backward()
         return [x.grad] + [p.grad for layer in layers for p in layer.parameters()]
 
-    reference = run(None)
-    probe = coop_arena.Budget(1 << 26, device="cpu")
-    run(probe)
-    budget = coop_arena.Budget(probe.stats.peak_bytes * 3 // 4, device="cpu")
-    assert bitwise_equal(reference, run(budget))
-    assert budget.stats.evictions > 0 and budget.stats.rematerializations > 0, budget.stats
+    budget = exact_under_eviction(run, 3, 4)
+    assert budget.stats.rematerializations > 0, budget.stats
     assert budget.stats.frozen > 0, budget.stats  # what a reshard kept
 
 
