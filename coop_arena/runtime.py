@@ -27,7 +27,7 @@ from .lifetime import Lifetime, _readers
 from .memory import Memory
 from .remat import Remat
 from .recipe import plain_dispatch
-from .storage import State
+from .storage import State, recompute_cost
 from .telemetry import RuntimeCounters
 
 
@@ -178,7 +178,8 @@ def _cheaper_cut(direct: list, held: list, size) -> list:
     keeping what was held downstream made a discriminator's first call unevictable when it ran a second time.
     Not when a recipe reads an older version of a direct reader (a clone is `empty_like` then a `copy_` of the
     tensor: its readers read the version after the copy), which replays from the tensor (Note [Old versions] in
-    remat.py); a direct reader that nothing holds or reads is not kept."""
+    remat.py); a direct reader that nothing holds or reads is not kept. Nor when keeping the direct readers would
+    replay more than keeping the held ones (`_restore_cost`)."""
     frontier = {}
     for s in direct:
         if s.state is State.FREED or s.payload is None or s.payload.recipe is None or s.sid in frontier:
@@ -190,9 +191,20 @@ def _cheaper_cut(direct: list, held: list, size) -> list:
             return held
         if s.payload.wrappers or readers:
             frontier[s.sid] = s
-    if sum(size(s.nbytes) for s in frontier.values()) < sum(size(s.nbytes) for s in held):
+    if (sum(size(s.nbytes) for s in frontier.values()) < sum(size(s.nbytes) for s in held)
+            and _restore_cost(frontier.values()) <= _restore_cost(held)):
         return sorted(frontier.values(), key=lambda s: s.sid)
     return held
+
+
+def _restore_cost(storages) -> float:
+    """What keeping `storages` would replay first: the recompute cost of each one not resident. A direct reader
+    that is evicted (a dead one kept for what was computed from it: a parameter's transpose, a gradient's norm)
+    costs its replay, and what it reads through evicted storages, while held ones that are resident cost
+    nothing: keeping it to save a few bytes of resident tensors replayed, at every write into a parameter inside
+    an ample block, the forward pass (a hand-written SGD update after `torch.func.grad`: 2.7x compute, nothing
+    evicted to make room)."""
+    return sum(recompute_cost(s) for s in storages if s.state is not State.RESIDENT)
 
 
 def raise_recursion_limit(n: int = 20_000) -> None:
