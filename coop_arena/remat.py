@@ -32,7 +32,9 @@ Fallback: holding every input of the op while one of them is rebuilt can need mo
   input not reached yet may be evicted by an earlier one's plan and is restored at its turn, beside those
   pinned before it. An input whose own plan does not fit is rebuilt narrowly: each replay pins only what it
   reads while it runs, the same recursion one level down for each evicted input, oldest input first and, if
-  that fails, newest first (a deep chain then goes down before anything at its top is held); an attempt gives
+  that fails, newest first (a deep chain then goes down before anything at its top is held), then the one
+  costliest to rebuild first (where cheap inputs are older than the chain in some ops and newer in others: a
+  weight cast once by autocast and read by two passes); an attempt gives
   up once it would replay one storage more than NARROW_REPLAYS times (its rebuilds evict what they need next,
   and newest first can take exponential work on residual chains). Only if every attempt fails does the op
   fail, with the first attempt's error, OutOfBudget, also when the fallback ran past `max_overhead` (not tried
@@ -66,7 +68,7 @@ from .errors import OutOfBudget, TensorLost, Thrashing, UnsupportedOp, _internal
 from .lifetime import keeps_dead
 from .memory import Memory
 from .recipe import ArgRef, Recipe, replaying
-from .storage import State, Storage
+from .storage import State, Storage, recompute_cost
 from .tensor import with_bits
 from . import ops, placement
 
@@ -134,9 +136,12 @@ class Remat:
                     except OutOfBudget:
                         _internal_assert(s.state is not State.RESIDENT, f"storage {s.sid}'s plan failed after it")
                 try:
-                    self._rebuild_narrow(s, op, {}, newest_first=False)
+                    self._rebuild_narrow(s, op, {}, order="oldest")
                 except (OutOfBudget, _Fighting):  # the other order: a deep chain's newest input first
-                    self._rebuild_narrow(s, op, {}, newest_first=True)
+                    try:
+                        self._rebuild_narrow(s, op, {}, order="newest")
+                    except (OutOfBudget, _Fighting):  # the deepest input first, wherever the chain is
+                        self._rebuild_narrow(s, op, {}, order="costliest")
                 pins.append(s)
         except BaseException:
             self.release(pins)
@@ -144,12 +149,17 @@ class Remat:
         self.counters.restores_in_turn += 1
         return pins
 
-    def _rebuild_narrow(self, s: Storage, op, replays: dict, *, newest_first: bool) -> None:
+    def _rebuild_narrow(self, s: Storage, op, replays: dict, *, order: str) -> None:
         """Rebuild evicted `s` (left pinned) pinning only what each replay reads, while it runs: the same
-        recursion one level down for each input, evicted inputs first, oldest or newest first among them (Note
-        [Restore plans], fallback). An input restored earlier may be evicted by a later one's rebuild and comes
-        back at its turn. `replays` counts this attempt's replays per storage: one rebuilt more than NARROW_REPLAYS
-        times means the rebuilds evict what they need next (their work would grow exponentially): _Fighting."""
+        recursion one level down for each input, evicted inputs first, oldest, newest or costliest to rebuild
+        first among them (Note [Restore plans], fallback). An input restored earlier may be evicted by a later
+        one's rebuild and comes back at its turn. Costliest first rebuilds the input with the deepest chain of
+        evicted ancestors before the cheap ones, so that at no level a cheap input waits pinned while a deep one
+        is rebuilt: where the cheap inputs are older than the chain in some ops and newer in others (weights cast
+        once by autocast and read again by a second pass, a checkpointed block run twice), both of the other
+        orders hold one cheap input pinned per level. `replays` counts this attempt's replays per storage: one
+        rebuilt more than NARROW_REPLAYS times means the rebuilds evict what they need next (their work would grow
+        exponentially): _Fighting."""
         if s.payload.lost is not None:
             raise TensorLost(s.payload.lost)
         n = replays[s.sid] = replays.get(s.sid, 0) + 1
@@ -162,13 +172,15 @@ class Remat:
         held: list[Storage] = []
         rebuilt: list[Storage] = []
         try:
-            for b, _ in sorted(reads, key=lambda r: (r[0].state is State.RESIDENT, -r[0].sid if newest_first
-                                                     else r[0].sid)):
+            key = {"oldest": lambda b: b.sid, "newest": lambda b: -b.sid,
+                   "costliest": lambda b: (-recompute_cost(b), b.sid)}[order]
+            for b, _ in sorted(reads, key=lambda r: (r[0].state is State.RESIDENT, 0 if r[0].state is State.RESIDENT
+                                                     else key(r[0]))):
                 _internal_assert(b.state is not State.FREED, f"storage {s.sid}'s replay reads storage {b.sid}, which is freed")
                 if b.state is State.RESIDENT:
                     self.memory.pin(b)
                 else:
-                    self._rebuild_narrow(b, op, replays, newest_first=newest_first)
+                    self._rebuild_narrow(b, op, replays, order=order)
                     rebuilt.append(b)
                 held.append(b)
             self._replay(s, op, {})

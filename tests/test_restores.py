@@ -4,6 +4,8 @@ fit either, pinning only what each replay reads while it runs."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -187,3 +189,37 @@ def test_a_reader_of_an_old_version_is_charged_that_version_once():
         for k, t in enumerate(keep):  # its own op, then x's producer and first k writes (version k)
             want = t._cell.storage.payload.recipe.cost + sum(r.cost for r in recipes[: k + 1])
             assert t._cell.storage.cost == want, k
+
+
+def _two_passes_under_autocast(budget):
+    """Two checkpointed passes of one model under bf16 autocast: autocast casts each weight once, and both passes
+    read the cast. A rebuild of the second pass's output goes through both passes, where the casts are older
+    than the first pass's activations and newer than the second's."""
+    from torch.utils.checkpoint import checkpoint
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(6) for m in (torch.nn.Linear(64, 64), torch.nn.GELU())],
+                                torch.nn.Linear(64, 64))
+    x = torch.randn(32, 64, requires_grad=True)
+    with budget if budget is not None else contextlib.nullcontext():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = checkpoint(model, checkpoint(model, x, use_reentrant=False), use_reentrant=True)
+            loss = h.float().square().mean()
+        loss.backward()
+    return [loss.detach().clone()] + [p.grad for p in model.parameters()] + [x.grad]
+
+
+def test_a_narrow_rebuild_takes_the_deepest_input_first_when_neither_age_order_fits():
+    """The narrow rebuild tried the evicted inputs of each replay oldest first, then newest first. When the cheap
+    inputs (weights cast once by autocast) are older than the chain in the ops of one pass and newer in the other,
+    each order holds one cast pinned per level of one of the passes: the held loss of this step at 30 % of its
+    peak could not be restored when the block ended and was dropped (TensorLost), and at 34 % the step itself
+    failed. Taking the input with the deepest evicted chain first (its recompute cost) holds no cast while a
+    chain is rebuilt."""
+    plain = _two_passes_under_autocast(None)
+    probe = coop_arena.Budget(1 << 26, device="cpu")
+    _two_passes_under_autocast(probe)
+    for percent in (34, 30):
+        budget = coop_arena.Budget(probe.stats.peak_bytes * percent // 100, device="cpu")
+        assert bitwise_equal(plain, _two_passes_under_autocast(budget)), percent
+        st = budget.stats
+        assert st.dropped == 0 and st.restores_in_turn >= 1 and st.evictions > 0, percent
