@@ -222,6 +222,37 @@ class _Mode(TorchDispatchMode):
 
 
 class Budget:
+    """A hard memory budget for the ops run inside `with budget:`; the arena of `nbytes` is allocated once, here.
+
+        budget = coop_arena.Budget(4 << 30)   # bytes
+        with budget:
+            model(x).sum().backward()
+        print(budget.stats)
+
+    Every tensor an op makes inside the block lives in one arena of `nbytes` bytes (rounded down to `alignment`);
+    when a new one does not fit, tensors are evicted and recomputed later, bit for bit. Tensors from before the
+    block (parameters, buffers, inputs, optimizer state) are read, never moved or counted. A step that cannot fit
+    raises `OutOfBudget` before anything changes; the Budget stays usable. A Budget runs one block at a time (a
+    second thread entering it meanwhile gets `BudgetUsageError`), and Budgets do not nest (`BudgetUsageError`).
+
+    Arguments (a bad value raises ValueError; an arena the device cannot allocate, ArenaAllocationError):
+      nbytes: the budget, a positive int number of bytes, at least `alignment`.
+      device: "cpu", "cuda", "cuda:N", "meta" (a dry run: no data, the same decisions) or a torch.device;
+        default "cuda" when available, else "cpu".
+      policy: "coop" (sliding window over the address-ordered arena), "dtr" (evict the least c/(m*s) one at a
+        time) or "dte" (the same with adjacent free bytes counted in m).
+      partition, recomputable_inplace, relocate: Coop's ablations when False (no cheap/expensive placement;
+        copy-on-write instead of recomputable in-place; no relocation of pinned blocks, no compaction).
+      max_overhead: None, or a number > 1: stop a step with `Thrashing` before the replay that would take
+        (compute + recompute) / compute past it.
+      backend: "torch", or "cupy" to allocate a CUDA arena with CuPy.
+      cheap_density: the cost per byte at and above which a storage counts as expensive (a number >= 0).
+      alignment: the granularity of every placement, a power of two of at least 16 bytes.
+      trace_len: the memory events kept per block (`trace`), an int >= 0.
+
+    After a block: `stats` (BudgetStats, plain data), `trace` (its memory events), `snapshot()` (the blocks).
+    """
+
     def __init__(self, nbytes: int, *, device=None, policy: str = "coop", partition: bool = True,
                  recomputable_inplace: bool = True, alignment: int = 512, cheap_density: float = 4.0,
                  trace_len: int = 10_000, max_overhead: float | None = None, relocate: bool = True,
@@ -243,6 +274,8 @@ class Budget:
                         ("relocate", relocate)):
             if not isinstance(v, bool):
                 raise ValueError(f"{name} must be True or False, got {v!r}")
+        if isinstance(cheap_density, bool):
+            raise ValueError(f"cheap_density must be a finite number >= 0 (a cost per byte), got {cheap_density!r}")
         if max_overhead is not None and (isinstance(max_overhead, bool) or not isinstance(max_overhead, (int, float))
                                          or not max_overhead > 1.0):
             raise ValueError(f"max_overhead must be None (no limit) or a number > 1, got {max_overhead!r} (for "

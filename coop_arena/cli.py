@@ -12,14 +12,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="coop-arena", description="Train PyTorch models under a hard memory budget.")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a small model under half its peak with each policy and compare")
-    demo.add_argument("--steps", type=int, default=4)
-    demo.add_argument("--ratio", type=float, default=0.5, help="budget as a fraction of the plain peak")
+    demo.add_argument("--steps", type=int, default=4, help="training steps per run (default: 4)")
+    demo.add_argument("--ratio", type=float, default=0.5, help="budget as a fraction of the plain peak (default: 0.5)")
     plan = sub.add_parser("plan", help="dry run on meta: does a training step fit a budget, at what overhead")
     plan.add_argument("model", help="a suite model (resnet50, unet, gpt2, ...), an example (mlp, cnn, gpt, lstm) or "
                                     "module:function, where function(batch) returns (model, example_inputs)")
     plan.add_argument("--batch", type=int, default=None, help="default: the paper's batch size for a suite model, "
                                                                 "8 otherwise")
-    plan.add_argument("--budget", default="0.5", help="bytes with a unit (8GiB, 512MiB) or a ratio of the plain peak")
+    plan.add_argument("--budget", default="0.5", help="bytes with a unit (8GiB, 512MiB) or a ratio of the plain peak "
+                                                      "in (0, 1] (default: 0.5)")
     ev = sub.add_parser("evaluate", help="sweep memory ratios for the model suite, every policy and ablation; "
                                          "write results.json, summary.md and figures")
     ev.add_argument("--models", nargs="+", default=None,
@@ -49,8 +50,19 @@ def main(argv=None) -> int:
             check_models(models)
         except ValueError as e:
             parser.error(str(e))
+        out = Path(args.out)
+        try:  # before the sweep, not after it: a folder that cannot be written is known at once
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            parser.error(f"--out {args.out!r}: cannot make that folder ({e.strerror or e}); give a folder that can be "
+                         f"written")
         command = "coop-arena " + " ".join(sys.argv[1:] if argv is None else argv)
-        evaluate(models, sweep, batch=args.batch, out=Path(args.out), command=command, jobs=args.jobs)
+        from .evaluate import ran
+        results = evaluate(models, sweep, batch=args.batch, out=out, command=command, jobs=args.jobs)
+        if not ran(results):
+            print(f"coop-arena: error: no model could be swept ({', '.join(results['models'])}); the reasons are in "
+                  f"the table above and in {out / 'summary.md'}", file=sys.stderr)
+            return 1
         return 0
     if args.command == "plan":
         from .plan import plan as run_plan

@@ -85,6 +85,10 @@ def _take_hole(holes: list, nbytes: int) -> int | None:
 
 
 class Memory:
+    """The bookkeeping of one arena without its bytes: storages placed in a block table of `nbytes`, evicted by
+    one policy (plan, then apply), with stats, a trace and `check_invariants()`. A Budget owns one; on its own it
+    plans placements and evictions for sizes and costs given by hand (the module docstring has the rules)."""
+
     def __init__(self, nbytes: int, *, policy: str = "coop", partition: bool = True, alignment: int = 512,
                  cheap_density: float = 4.0, trace_len: int = 10_000, relocate: bool = True):
         nbytes = _check_nbytes(nbytes, "the budget")

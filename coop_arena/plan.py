@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import re
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -13,8 +15,11 @@ from rich.console import Console
 from rich.table import Table
 
 from .budget import Budget
-from .errors import OutOfBudget, UnsupportedOp
+from .errors import CoopArenaError, OutOfBudget, UnsupportedOp
 from .policy import POLICIES
+
+_SMALLEST = 512  # the smallest arena a Budget makes: one block of its default alignment
+_FACTORY = "module:function, where function(batch) returns (model, example_inputs)"
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30,
           "tib": 2**40}
@@ -58,31 +63,67 @@ def load(spec: str, batch: int):
         model, inputs = suite.SUITE[spec].build(batch)
     elif ":" in spec:
         mod, fn = spec.split(":", 1)
+        if not mod or not fn:
+            raise ValueError(f"model {spec!r} names no {'module' if not mod else 'function'}: give {_FACTORY}")
         try:
             module = importlib.import_module(mod)
         except ImportError as e:
             raise ValueError(f"cannot import {mod!r} for model {spec!r}: {e}") from e
         factory = getattr(module, fn, None)
         if factory is None:
-            raise ValueError(f"module {mod!r} has no attribute {fn!r} (model {spec!r}: module:function, where "
-                             f"function(batch) returns (model, example_inputs))")
+            raise ValueError(f"module {mod!r} has no attribute {fn!r} (model {spec!r}: {_FACTORY})")
         if not callable(factory):
-            raise ValueError(f"{spec!r} is a {type(factory).__name__}, not callable: give module:function, where "
-                             f"function(batch) returns (model, example_inputs)")
+            raise ValueError(f"{spec!r} is a {type(factory).__name__}, not callable: give {_FACTORY}")
+        try:
+            inspect.signature(factory).bind(batch)
+            called_right = True
+        except TypeError:  # not function(batch): the call below fails before running any of its code
+            called_right = False
+        except ValueError:  # (a callable without a signature)
+            called_right = True
         with torch.device("meta"):  # a large model is never materialized
             try:
                 made = factory(batch)
-            except TypeError as e:  # not function(batch)
-                raise ValueError(f"{spec}({batch}) failed: {e} (give module:function, where function(batch) "
-                                 f"returns (model, example_inputs))") from e
+            except Exception as e:
+                if not called_right:
+                    raise ValueError(f"{spec}({batch}) failed: {e} (give {_FACTORY})") from e
+                # the user's own code: one line, the traceback is theirs to see
+                raise ValueError(f"{spec}({batch}) raised {type(e).__name__}: {_first_line(e)} (call it "
+                                 f"directly to see where)") from e
         if not (isinstance(made, (tuple, list)) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):
-            raise ValueError(f"{spec}({batch}) returned {type(made).__name__}, not (model, example_inputs) with an "
+            raise ValueError(f"{spec}({batch}) returned {_kind(made)}, not (model, example_inputs) with an "
                              f"nn.Module first")
         model, inputs = made
+        items = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+        if not all(isinstance(x, torch.Tensor) for x in items):
+            raise ValueError(f"{spec}({batch}) returned example inputs {_kind(inputs)}: give a tensor or a tuple or "
+                             f"list of tensors, which the step passes to the model as positional arguments")
     else:
         check_models([spec])
         model, inputs = examples.example(spec, batch)
     return to_meta(model), tuple(x.to("meta") for x in (inputs if isinstance(inputs, (tuple, list)) else (inputs,)))
+
+
+def _kind(x) -> str:
+    """What a value is, for an error message: its type, and the types inside a tuple, list or dict."""
+    if isinstance(x, (tuple, list)):
+        return f"{type(x).__name__} ({', '.join(type(v).__name__ for v in x)})"
+    if isinstance(x, dict):
+        return f"dict ({', '.join(f'{k!r}: {type(v).__name__}' for k, v in x.items())})"
+    return type(x).__name__
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def _size(n: int) -> str:
+    """Bytes for a table: in the largest unit that gives at least 1."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
 
 
 def to_meta(model: torch.nn.Module) -> torch.nn.Module:
@@ -103,19 +144,24 @@ def to_meta(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _forward_backward(model, inputs) -> None:
+    """The planned training step: backward from the sum of the model's first output."""
+    out = model(*inputs)
+    if isinstance(out, Mapping):  # a transformers ModelOutput: its first field that is set (the logits)
+        out = next(iter(out.values()))
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    if not (isinstance(out, torch.Tensor) and out.requires_grad):
+        what = "Tensor with no grad" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"the model's output ({what}) has nothing to train: a planned step runs backward "
+                         f"from the sum of the model's first output")
+    out.float().sum().backward()
+
+
 def step(model, inputs, budget: Budget) -> None:
     """One training step of `model` on `inputs` under `budget` (loss: the sum of the first output)."""
     try:
         with budget:
-            out = model(*inputs)
-            if isinstance(out, Mapping):  # a transformers ModelOutput: its first field that is set (the logits)
-                out = next(iter(out.values()))
-            out = out[0] if isinstance(out, (tuple, list)) else out
-            if not (isinstance(out, torch.Tensor) and out.requires_grad):
-                what = "Tensor with no grad" if isinstance(out, torch.Tensor) else type(out).__name__
-                raise ValueError(f"the model's output ({what}) has nothing to train: a planned step runs backward "
-                                 f"from the sum of the model's first output")
-            out.float().sum().backward()
+            _forward_backward(model, inputs)
     finally:
         for p in model.parameters():
             p.grad = None
@@ -125,8 +171,19 @@ def plan(spec: str, batch: int | None, budget_text: str, console: Console | None
     """Plain peak, lower bound, and per policy: fits?, overhead, evictions, fragmentation. `batch=None` takes
     the suite's batch size for a suite model, 8 otherwise."""
     from .suite import default_batch
-    console = console or Console()
     kind, value = parse_budget(budget_text)
+    if kind == "bytes" and value < _SMALLEST:
+        text = budget_text.strip()
+        bare = re.fullmatch(r"[0-9.eE+-]+", text) is not None  # a number without a unit
+        raise ValueError(f"budget {budget_text!r} is {value:g} bytes"
+                         f"{' (a number above 1 without a unit counts bytes)' if bare else ''}, less than the "
+                         f"smallest arena of {_SMALLEST} bytes: give more bytes with a unit"
+                         f"{f' ({text}GiB, {text}MiB)' if bare else ' (8GiB, 512MiB)'} or a ratio of the plain peak "
+                         f"in (0, 1] (0.5)")
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # (80 columns cut the op a step stops at)
+            console = Console(width=160)
     batch = default_batch(spec, batch)
     model, inputs = load(spec, batch)
     probe = Budget(1 << 50, device="meta")
@@ -134,25 +191,40 @@ def plan(spec: str, batch: int | None, budget_text: str, console: Console | None
         step(model, inputs, probe)
     except UnsupportedOp as e:  # (an op a dry run cannot run: the command says so in one line)
         raise ValueError(f"{spec!r} cannot be planned in a dry run: {e}") from e
+    except (CoopArenaError, ValueError):
+        raise
+    except Exception as e:  # the model's own error (wrong input shapes or dtypes), or the engine's
+        try:
+            _forward_backward(model, inputs)  # on meta without a Budget: does the model fail there too?
+        except Exception as plain:
+            raise ValueError(f"the training step of {spec!r} fails on its example inputs on meta, with or without a "
+                             f"Budget: {type(plain).__name__}: {_first_line(plain)} (run model(*example_inputs) "
+                             f"without a Budget to see where)") from e
+        finally:
+            for p in model.parameters():
+                p.grad = None
+        raise  # it fails only under the Budget: coop_arena's error, with its traceback
     peak, lower = probe.stats.peak_bytes, probe.stats.lower_bound
-    nbytes = int(value * peak) if kind == "ratio" else int(value)
+    nbytes = max(int(value * peak) if kind == "ratio" else int(value), _SMALLEST)
     result = {"model": spec, "batch": batch, "plain_peak": peak, "lower_bound": lower, "budget": nbytes,
               "policies": {}}
-    table = Table(title=f"{spec}, batch {batch}: plain peak {peak / 2**20:.1f} MiB, lower bound "
-                        f"{lower / 2**20:.1f} MiB, budget {nbytes / 2**20:.1f} MiB ({nbytes / peak:.0%} of peak)")
+    table = Table(title=f"{spec}, batch {batch}: plain peak {_size(peak)}, lower bound {_size(lower)}, budget "
+                        f"{_size(nbytes)} ({nbytes / peak:.0%} of peak)")
     for col in ("policy", "fits", "compute overhead", "evictions", "fragmentation", "arena peak"):
         table.add_column(col, justify="right")
     from .evaluate import CONFIGS  # the evaluation's baselines: dtr and dte with address-oblivious placement
     for policy in POLICIES:
-        b = Budget(max(nbytes, 512), device="meta", **CONFIGS[policy])
+        b = Budget(nbytes, device="meta", **CONFIGS[policy])
         try:
-            step(model, inputs, b)
+            with warnings.catch_warnings():  # (the table reports the overhead; the warning would advise `plan`)
+                warnings.filterwarnings("ignore", message="this step is thrashing", category=RuntimeWarning)
+                step(model, inputs, b)
             st = b.stats
             row = {"fits": True, "compute_overhead": st.compute_overhead, "evictions": st.evictions,
                    "fragmentation": st.fragmentation, "peak_bytes": st.peak_bytes,
                    "restores_in_turn": st.restores_in_turn}
             table.add_row(policy, "yes*" if st.restores_in_turn else "yes", f"{st.compute_overhead:.3f}x",
-                          str(st.evictions), f"{st.fragmentation:.3f}", f"{st.peak_bytes / 2**20:.1f} MiB")
+                          str(st.evictions), f"{st.fragmentation:.3f}", _size(st.peak_bytes))
         except OutOfBudget as e:
             row = {"fits": False, "error": str(e)}
             table.add_row(policy, f"no ({e.op})", "-", "-", "-", "-")
@@ -162,4 +234,7 @@ def plan(spec: str, batch: int | None, budget_text: str, console: Console | None
         console.print("* fits only because some ops' inputs, which did not fit back at once, were restored one at a "
                       "time (stats.restores_in_turn, Note [Restore plans]): this budget is at the edge, where small "
                       "changes to the model or the batch may not fit.")
+    for policy, row in result["policies"].items():
+        if not row["fits"]:
+            console.print(f"{policy} does not fit: {row['error']}", highlight=False)
     return result

@@ -67,6 +67,10 @@ class Cell:
 
 
 class Tensor(torch.Tensor):
+    """The tensor every op inside a Budget returns: view metadata over a storage in the arena, which may be evicted
+    and recomputed at any time; autograd and ops treat it as any tensor. After the block it holds its own copy
+    outside the arena and works wherever a plain tensor does (module docstring, Note [Escaped tensors])."""
+
     _cell: Cell
     # Methods on a wrapper (size(), stride(), ...) must not go through Python's __torch_function__: every op is
     # handled below autograd, in the Budget's dispatch mode or in __torch_dispatch__ here.
