@@ -10,6 +10,7 @@ The interpreter runs a launch's programs one after another, so it cannot expose 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 
@@ -444,3 +445,29 @@ def test_serial_move_counts_its_tiles_in_64_bits_just_under_2_gib():
         out = torch.zeros(1, dtype=torch.int64, device=DEVICE)
         tiles[(1,)](out, n, BLOCK=kcopy.SERIAL_BLOCK)
         assert out.item() == -(-n // kcopy.SERIAL_BLOCK), n
+
+
+def test_a_hand_launched_kernel_through_pinned_views_is_exact():
+    """The README's `pinned()` example, run where this layer runs. Under the interpreter a launch copies each
+    argument's whole storage (the arena) through torch ops, which the Budget refuses; the README says to launch
+    inside `_disable_current_modes()` there, and this checks that that is exact. On CUDA it launches as written."""
+    import triton
+    import triton.language as tl
+    from torch.utils._python_dispatch import _disable_current_modes
+    import coop_arena
+
+    @triton.jit
+    def scale_kernel(x_ptr, out_ptr, n, s, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + i, tl.load(x_ptr + i, mask=i < n) * s, mask=i < n)
+
+    torch.manual_seed(0)
+    with coop_arena.Budget(1 << 20, device=DEVICE) as budget:
+        x = torch.randn(4096, device=DEVICE) * 2
+        out = torch.empty_like(x)
+        with coop_arena.pinned(x, readonly=True) as raw_x, coop_arena.pinned(out) as raw_out:
+            with _disable_current_modes() if INTERPRET else contextlib.nullcontext():
+                scale_kernel[(triton.cdiv(4096, 1024),)](raw_x, raw_out, 4096, 3.0, BLOCK=1024)
+        y = out.relu()
+    assert torch.equal(out, x * 3) and torch.equal(y, (x * 3).relu())
+    assert budget.stats.unevictable_bytes >= out.nbytes  # written by the kernel: no recipe can rebuild it
