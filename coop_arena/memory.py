@@ -18,7 +18,11 @@ Allocation policy (Note [Placement]):
   density is closest to its own (BiLSTM at 0.5 1.40x -> 1.26x, U-Net at 0.45 1.34x -> 1.24x, DenseNet-121 at
   0.125 1.73x -> 1.38x, but GPT-2 at 0.25 1.29x -> 1.40x, Swin-T at 0.1875 1.46x -> 2.54x, ResNet-152 no
   longer fits at 0.1). Each fixed some losing points and lost winning ones: near the edge the result moves by
-  5-15 % under small placement changes.)
+  5-15 % under small placement changes. A threshold of 3, over a full `coop-arena evaluate`: coop better at 29
+  of 161 points that fit both ways and worse at 26, geometric mean 0.998; BiLSTM at 0.5 1.425x -> 1.265x, U-Net
+  at 0.3 1.491x -> 1.356x, smallest ratios ResNet-50 0.175 -> 0.15 and DenseNet-121 0.125 -> 0.1125, but
+  Inception V3 at 0.175 1.429x -> 1.749x, ResNet-152 at 0.25 past DTR's + 2 %, U-Net's smallest 0.25 -> 0.2625,
+  and partitioning still loses to none at 8 points, against 10.)
 - Relocation (coop only, Note [Relocation]): when no window exists because pinned or unevictable blocks split
   the arena, a window may also cover such blocks; they are copied to free blocks outside it (a copy, never a
   recomputation) and the rest of the window is evicted.

@@ -16,6 +16,13 @@ the only place a plan takes effect.
   Scores of the storages bordering a grown free run are updated after each victim.
 Ties break towards lower addresses, so plans are deterministic (Rule 8).
 
+The window is the cheapest plan under its own measure (a dtr plan's last free run is a window too, and its other
+victims only add c/s), so coop cannot lose to dtr request by request; where it loses over a step (ResNet-152 at
+0.35 and 0.3 of its peak), dtr's scattered victims free bytes that later requests take without a search. Taking
+dtr's plan whenever its c/s per byte it frees is below the window's was measured and not adopted: Inception V3 at
+0.3/0.2 1.174x/1.411x -> 1.161x/1.365x, but ResNet-152 at 0.35 1.155x -> 1.186x, DenseNet-121 at 0.5/0.2
+1.135x/1.239x -> 1.154x/1.317x, GPT-2 at 0.5 1.120x -> 1.128x.
+
 Note [Staleness, not the recorded next use]
 Staleness is a guess at how soon a storage is needed again. A training loop repeats one step, so a later block
 could know instead: the first block records which op reads which storage (storages named by the op that created
