@@ -38,7 +38,7 @@ from .memory import Memory
 from .ops import flatten
 from .optimizer import Steps
 from .policy import POLICIES
-from .recipe import plain_dispatch
+from .recipe import close_entered, entered, plain_dispatch
 from .runtime import Runtime, raise_recursion_limit
 from .tensor import Tensor
 
@@ -306,6 +306,7 @@ class Budget:
         self._stats: BudgetStats | None = None
         self._trace: list = []
         self._owner: int | None = None  # the thread whose block is open; __enter__ and the end of __exit__ only
+        self._entered = 0  # the thread's `whole`s open when the block opened (recipe.close_entered)
 
     def __repr__(self) -> str:
         return f"Budget({self.memory.budget} bytes, device={self.device}, policy={self.policy!r})"
@@ -332,6 +333,7 @@ class Budget:
 
     def _open(self) -> None:
         raise_recursion_limit()
+        self._entered = len(entered())
         self.arena.bind_stream()
         self.memory.reset()
         self._bookkeeping = Bookkeeping()
@@ -387,7 +389,10 @@ class Budget:
                                    f"__enter__ (or twice, or from another thread); use `with budget:` around the step")
         rt = self._runtime
         try:
-            self._close_hooks()
+            try:  # the way out of a `with` of the engine that an interrupt stopped: undone first (Note [Interrupts]
+                close_entered(self._entered)  # in recipe.py), so that the mode is on the stack to be taken off
+            finally:
+                self._close_hooks()
         finally:
             try:
                 rt.finish(failed=exc_type is not None)

@@ -12,6 +12,7 @@ Rules enforced here (see ../shared DESIGN numbering):
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -188,6 +189,41 @@ def capture_rng(device: torch.device, op: ops.OpInfo, args, kwargs: dict):
 #   generator at once, which runs its cleanup in order; the `with` statement then owns everything that was
 #   changed or nothing. Budget.__enter__ and __exit__ undo and close step by step, each step also when the one
 #   before was interrupted (budget.py).
+#   The way out has the same moment: an interrupt as `whole.__exit__` (or contextlib's) starts, before the
+#   generator resumes, leaves it suspended, and its cleanup ran whenever the traceback that reaches it was
+#   freed, after the block: it put back grad mode and dispatch keys saved inside a dispatch (autograd off for
+#   the thread from then on), and pushed the finished block's mode back onto the stack. So each `whole` is
+#   listed for its thread from its entry until its exit has run, and the Budget's exit first closes, newest
+#   first, those its block entered and never left (`close_entered`): the mode stack and a replay's generator
+#   state come back from them, while grad mode and the dispatch keys stay as the unwinding (the dispatcher's
+#   and autograd's own guards) left them.
+_entered = threading.local()  # .open: this thread's `whole`s entered and not left, oldest first
+
+
+def entered() -> list:
+    """This thread's `whole`s entered and not left yet, oldest first (the list itself)."""
+    try:
+        return _entered.open
+    except AttributeError:
+        _entered.open = []
+        return _entered.open
+
+
+def close_entered(depth: int) -> None:
+    """Close, newest first, the generators of this thread's `whole`s entered above `depth` whose exit never ran
+    (an interrupt stopped it before it began): their cleanup runs now (Note [Interrupts])."""
+    stack = entered()
+    if len(stack) <= depth:
+        return
+    grad = torch.is_grad_enabled()
+    try:
+        with torch._C._PreserveDispatchKeyGuard():
+            while len(stack) > depth:
+                stack.pop().cm.gen.close()  # (a no-op for a generator that already finished)
+    finally:
+        torch._C._set_grad_enabled(grad)
+
+
 class whole:
     """`with whole(cm):` enters generator context manager `cm` all or nothing (Note [Interrupts])."""
 
@@ -197,14 +233,26 @@ class whole:
         self.cm = cm
 
     def __enter__(self):
+        stack = entered()
         try:
-            return self.cm.__enter__()
+            out = self.cm.__enter__()
+            stack.append(self)
         except BaseException:
             self.cm.gen.close()  # suspended at its yield if the interrupt came after it: its cleanup runs now
+            if stack and stack[-1] is self:
+                stack.pop()
             raise
+        return out
 
     def __exit__(self, *exc):
-        return self.cm.__exit__(*exc)
+        try:
+            return self.cm.__exit__(*exc)
+        finally:
+            stack = _entered.open
+            if stack and stack[-1] is self:
+                stack.pop()
+            elif any(w is self for w in stack):  # (not the newest: one entered after it was left open)
+                del stack[next(i for i, w in enumerate(stack) if w is self)]
 
 
 def whole_contextmanager(genfunc):

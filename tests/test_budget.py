@@ -246,6 +246,59 @@ def test_an_interrupt_as_the_engine_enters_plain_dispatch_restores_the_thread(mo
     assert bitwise_equal(state(train("mlp")), state(model))
 
 
+@pytest.mark.parametrize("which", ["replaying", "plain_dispatch", "_rng"])
+def test_an_interrupt_as_the_engine_leaves_a_with_restores_the_thread(monkeypatch, which):
+    """The way out of the engine's `with`s has the moment the way in had (Note [Interrupts]): a Ctrl-C as
+    `whole.__exit__` starts (a function's entry, where CPython delivers signals) left its generator suspended,
+    and its cleanup ran when the traceback was freed, after the block: it put back the grad mode and dispatch keys
+    of a moment inside a dispatch, so autograd stayed off for the thread ("element 0 of tensors does not require
+    grad" at every later backward). Interrupted in a replay of a dropout's input (`_rng`: its generator state
+    rewound), the next step still draws what plain PyTorch draws."""
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(64, 64), nn.Dropout(0.25), nn.ReLU())])
+
+    x = torch.randn(256, 64)
+    probe = coop_arena.Budget(1 << 24, device="cpu")
+    with probe:
+        build()(x).sum().backward()
+    budget = coop_arena.Budget(probe.stats.peak_bytes // 2, device="cpu")
+    real, armed = recipe.whole.__exit__, [False]
+
+    def interrupted(self, *exc):
+        if armed[0] and self.cm.gen.gi_code.co_name == which:
+            armed[0] = False
+            raise KeyboardInterrupt  # as a Ctrl-C delivered when whole.__exit__ is entered
+        return real(self, *exc)
+
+    monkeypatch.setattr(recipe.whole, "__exit__", interrupted)
+    model, plain = build(), build()
+    torch.manual_seed(1)
+    with pytest.raises(KeyboardInterrupt):
+        with budget:
+            loss = model(x).sum()
+            armed[0] = True
+            loss.backward()
+    assert not armed[0] and budget.stats.evictions > 0
+    monkeypatch.setattr(recipe.whole, "__exit__", real)
+    _thread_state_is_plain()
+    gc.collect()  # (frees the traceback that reached the suspended generator)
+    _thread_state_is_plain()
+    drawn = torch.get_rng_state()
+    torch.manual_seed(1)
+    plain(x).sum()  # the same draws as the block's forward; a backward draws nothing in plain PyTorch
+    assert torch.equal(drawn, torch.get_rng_state())
+    for m in (model, plain):
+        for p in m.parameters():
+            p.grad = None
+    with budget:
+        model(x).sum().backward()
+    torch.set_rng_state(drawn)
+    plain(x).sum().backward()
+    assert budget.stats.evictions > 0
+    assert bitwise_equal([p.grad for p in plain.parameters()], [p.grad for p in model.parameters()])
+
+
 def test_a_mode_left_active_inside_a_block_does_not_keep_the_blocks_mode():
     """A dispatch mode entered inside a block and not left: the block's own mode still comes off the stack (left
     there, a finished block's mode would receive every later op of the process), the other stays, and a
