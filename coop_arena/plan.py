@@ -144,8 +144,8 @@ def to_meta(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _forward_backward(model, inputs) -> None:
-    """The planned training step: backward from the sum of the model's first output."""
+def _forward_backward(model, inputs) -> torch.Tensor:
+    """The planned training step: backward from the sum of the model's first output, which it returns."""
     out = model(*inputs)
     if isinstance(out, Mapping):  # a transformers ModelOutput: its first field that is set (the logits)
         out = next(iter(out.values()))
@@ -155,13 +155,15 @@ def _forward_backward(model, inputs) -> None:
         raise ValueError(f"the model's output ({what}) has nothing to train: a planned step runs backward "
                          f"from the sum of the model's first output")
     out.float().sum().backward()
+    return out
 
 
 def step(model, inputs, budget: Budget) -> None:
     """One training step of `model` on `inputs` under `budget` (loss: the sum of the first output)."""
     try:
         with budget:
-            _forward_backward(model, inputs)
+            out = _forward_backward(model, inputs)  # noqa: F841 (held to the block's end, as a training loop
+            # holds its output for metrics: its copy-out at exit is part of what a plan measures)
     finally:
         for p in model.parameters():
             p.grad = None
