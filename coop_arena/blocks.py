@@ -42,10 +42,11 @@ import numpy as np
 from .errors import _internal_assert
 
 FREE = 0  # owner code of a free block
+ALIGNMENT = 512  # the default granularity of placement, and so the smallest arena a Budget makes
 
 
 class BlockTable:
-    def __init__(self, nbytes: int, alignment: int = 512):
+    def __init__(self, nbytes: int, alignment: int = ALIGNMENT):
         if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a positive power of two, got {alignment!r}")
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < alignment:

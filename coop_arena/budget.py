@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import (TorchDispatchMode, _disable_current_mo
 
 from .arena import Arena, check_backend, resolve_device
 from .bookkeeping import Bookkeeping
+from .blocks import ALIGNMENT
 from .errors import ArenaAllocationError, AutocastNotPlanned, BudgetUsageError, CompileNotApplied, _fmt
 from .lifetime import pause_collection, resume_collection
 from .memory import Memory
@@ -254,7 +255,7 @@ class Budget:
     """
 
     def __init__(self, nbytes: int, *, device=None, policy: str = "coop", partition: bool = True,
-                 recomputable_inplace: bool = True, alignment: int = 512, cheap_density: float = 4.0,
+                 recomputable_inplace: bool = True, alignment: int = ALIGNMENT, cheap_density: float = 4.0,
                  trace_len: int = 10_000, max_overhead: float | None = None, relocate: bool = True,
                  backend: str = "torch"):
         # numpy and other integer types count as ints (numbers.Integral); bool does not
@@ -283,7 +284,7 @@ class Budget:
         if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 16 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two of at least 16 bytes (the largest element size, so "
                              f"that every tensor starts on a multiple of its own), got {alignment!r}; the default "
-                             f"is 512")
+                             f"is {ALIGNMENT}")
         check_backend(backend)
         self.max_overhead = None if max_overhead is None else float(max_overhead)
         self.device = resolve_device(device)

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
+from .blocks import ALIGNMENT
 from .budget import Budget
 from .errors import CoopArenaError
 from .evaluate import CONFIGS
@@ -87,7 +88,7 @@ def main(steps: int = 4, ratio: float = 0.5) -> int:
     ok = True
     failures = []
     for policy in POLICIES:
-        budget = Budget(max(nbytes, 512), device="cpu", **CONFIGS[policy])  # the evaluation's baselines
+        budget = Budget(max(nbytes, ALIGNMENT), device="cpu", **CONFIGS[policy])  # the evaluation's baselines
         try:
             model, t, _ = train(budget, steps, f"policy {policy}")
         except CoopArenaError as e:  # a --ratio below what the step can run at: reported, like `plan` does

@@ -11,11 +11,17 @@ class CoopArenaError(RuntimeError):
     """Base class of every error coop_arena raises on purpose."""
 
 
-def _fmt(n: int) -> str:
+def in_units(n: int, digits: int) -> str | None:
+    """`n` bytes in the largest binary unit that gives at least 1 (GiB, MiB, KiB), or None below 1 KiB."""
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit} ({n} bytes)"
-    return f"{n} bytes"
+            return f"{n / scale:.{digits}f} {unit}"
+    return None
+
+
+def _fmt(n: int) -> str:
+    units = in_units(n, 2)
+    return f"{units} ({n} bytes)" if units else f"{n} bytes"
 
 
 class OutOfBudget(CoopArenaError):

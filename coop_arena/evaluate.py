@@ -39,6 +39,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
+from .blocks import ALIGNMENT
 from .budget import Budget
 from .errors import CoopArenaError
 from .plan import load, step
@@ -83,7 +84,7 @@ QUICK = Sweep(step=0.1, refine=0)
 
 def run_once(model, inputs, nbytes: int, config: str) -> dict:
     """One dry-run step under `nbytes` with a configuration: the stats, or why it did not fit."""
-    budget = Budget(max(nbytes, 512), device="meta", max_overhead=MAX_OVERHEAD, **CONFIGS[config])
+    budget = Budget(max(nbytes, ALIGNMENT), device="meta", max_overhead=MAX_OVERHEAD, **CONFIGS[config])
     t0 = time.perf_counter()
     try:
         step(model, inputs, budget)

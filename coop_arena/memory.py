@@ -51,7 +51,7 @@ import numpy as np
 
 from . import policy as _policy
 from .blocks import FREE as _FREE_OWNER
-from .blocks import BlockTable
+from .blocks import ALIGNMENT, BlockTable
 from .errors import OutOfBudget, _internal_assert
 from .policy import BLOCKED, EVICTABLE, FREE, POLICIES
 from .storage import State, Storage, add_input, dependents, recompute_cost
@@ -93,7 +93,7 @@ class Memory:
     one policy (plan, then apply), with stats, a trace and `check_invariants()`. A Budget owns one; on its own it
     plans placements and evictions for sizes and costs given by hand (the module docstring has the rules)."""
 
-    def __init__(self, nbytes: int, *, policy: str = "coop", partition: bool = True, alignment: int = 512,
+    def __init__(self, nbytes: int, *, policy: str = "coop", partition: bool = True, alignment: int = ALIGNMENT,
                  cheap_density: float = 4.0, trace_len: int = 10_000, relocate: bool = True):
         nbytes = _check_nbytes(nbytes, "the budget")
         if policy not in POLICIES:

@@ -14,11 +14,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from .blocks import ALIGNMENT as _SMALLEST  # the smallest arena a Budget makes
 from .budget import Budget
-from .errors import CoopArenaError, OutOfBudget, UnsupportedOp
+from .errors import CoopArenaError, OutOfBudget, UnsupportedOp, in_units
 from .policy import POLICIES
 
-_SMALLEST = 512  # the smallest arena a Budget makes: one block of its default alignment
 _FACTORY = "module:function, where function(batch) returns (model, example_inputs)"
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30,
@@ -120,10 +120,7 @@ def _first_line(e: BaseException) -> str:
 
 def _size(n: int) -> str:
     """Bytes for a table: in the largest unit that gives at least 1."""
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
+    return in_units(n, 1) or f"{n} B"
 
 
 def to_meta(model: torch.nn.Module) -> torch.nn.Module:
