@@ -249,10 +249,10 @@ class whole:
             return self.cm.__exit__(*exc)
         finally:
             stack = _entered.open
-            if stack and stack[-1] is self:
-                stack.pop()
-            elif any(w is self for w in stack):  # (not the newest: one entered after it was left open)
-                del stack[next(i for i, w in enumerate(stack) if w is self)]
+            for i in range(len(stack) - 1, -1, -1):  # the newest, unless one entered after it was left open
+                if stack[i] is self:
+                    del stack[i]
+                    break
 
 
 def whole_contextmanager(genfunc):

@@ -74,6 +74,11 @@ from . import ops, placement
 
 WARN_OVERHEAD = 3.0  # a step whose recompute overhead passes this warns once (RuntimeWarning)
 NARROW_REPLAYS = 8   # replays of one storage within one narrow rebuild before it gives up (Note [Restore plans])
+_NARROW_ORDERS = {  # the narrow rebuild's orders of a replay's evicted inputs (Note [Restore plans], fallback)
+    "oldest": lambda b: b.sid,
+    "newest": lambda b: -b.sid,
+    "costliest": lambda b: (-recompute_cost(b), b.sid),
+}
 
 
 class Remat:
@@ -172,8 +177,7 @@ class Remat:
         held: list[Storage] = []
         rebuilt: list[Storage] = []
         try:
-            key = {"oldest": lambda b: b.sid, "newest": lambda b: -b.sid,
-                   "costliest": lambda b: (-recompute_cost(b), b.sid)}[order]
+            key = _NARROW_ORDERS[order]
             for b, _ in sorted(reads, key=lambda r: (r[0].state is State.RESIDENT, 0 if r[0].state is State.RESIDENT
                                                      else key(r[0]))):
                 _internal_assert(b.state is not State.FREED, f"storage {s.sid}'s replay reads storage {b.sid}, which is freed")
