@@ -8,8 +8,10 @@ Rules enforced here (see ../shared DESIGN numbering):
    moved, evicted or counted.
 5. An op with effects outside its outputs is never recomputed; its outputs are unevictable. A write into a tensor
    outside the arena is such an effect. An op that wrote an external tensor its schema does not mark (BatchNorm's
-   running statistics) is recorded with that argument set to None when the schema allows it (the update happens
-   once, in the original step), else its outputs are unevictable.
+   running statistics) is recorded with that argument set to None (the update happens once, in the original step;
+   its outputs in training do not read them); any other op that writes an external tensor unmarked keeps its
+   outputs unevictable (found by a probe, Note [Probing for hidden writes]: a replay could not see the value the
+   op read).
 6. An in-place op keeps the tensor's address; the storage's recipe becomes its producer followed by every write
    since (recomputable in-place). Readers of the old value are frozen first (remat.py). With
    recomputable_inplace=False a write goes to a fresh copy instead (copy-on-write, the ablation).
@@ -512,10 +514,9 @@ class Dispatch:
         evictable = not call.op.effectful
         for pos, t in externals:
             if pos in written:  # (settled before the op ran, or by its probe: _before_hidden_writes, _after_probe)
-                optional = any(p == pos and opt for p, _, opt in call.op.tensor_args)
-                if optional and pos < len(recipe.args):
+                if call.func in _STATS_WRITES and pos < len(recipe.args):  # outputs that do not read it in training
                     recipe.without_arg(pos)
-                else:
+                else:  # (a custom op's output may read what it wrote: replayed without it, its bits would differ)
                     evictable = False
         return evictable
 

@@ -790,6 +790,32 @@ def test_what_read_the_old_running_statistics_comes_back_with_them(probed):
     assert bitwise_equal(run(coop_arena.Budget(1 << 20)), expected)
 
 
+
+_HIDDEN = torch.library.Library("coop_arena_hidden_write", "DEF")
+_HIDDEN.define("track(Tensor x, Tensor? state) -> Tensor")
+_HIDDEN.impl("track", lambda x, state: x * 1.0 if state is None else x * state.add_(1.0), "CPU")  # unmarked write
+
+
+@pytest.mark.parametrize("policy", ["coop", "dtr", "dte"])
+def test_a_custom_op_whose_output_reads_what_it_wrote_unmarked_is_not_replayed_without_it(policy):
+    # The op updates an optional external argument its schema does not mark, then returns a product with it. Its
+    # recipe dropped the argument (as for a batch norm's running statistics, which its outputs in training do not
+    # read), so once its output was evicted, the replay returned `x`: the block's result was silently wrong.
+    def run(ctx):
+        state, x = torch.ones(1024), torch.linspace(-1, 1, 1024)
+        with ctx:
+            a = torch.ops.coop_arena_hidden_write.track(x * 2, state)
+            h = x
+            for _ in range(8):
+                h = (h * 1.5).tanh()
+            out = (a + h).sum()
+        return [out.detach().clone(), state]
+
+    expected = run(contextlib.nullcontext())
+    budget = coop_arena.Budget(3 * 4096, policy=policy)
+    assert bitwise_equal(run(budget), expected)
+    assert budget.stats.evictions > 0 and budget.stats.rematerializations > 0
+
 def test_a_tensor_from_numpy_in_the_block_shares_its_memory():
     import numpy as np
     a = np.zeros(3, dtype=np.float32)
