@@ -395,9 +395,15 @@ class Budget:
             finally:
                 self._close_hooks()
         finally:
+            grad = torch.is_grad_enabled()
             try:
-                rt.finish(failed=exc_type is not None)
+                with torch._C._PreserveDispatchKeyGuard():  # (a C++ guard: no moment an interrupt leaves it half done)
+                    rt.finish(failed=exc_type is not None)
             finally:
+                try:  # an interrupt as one of the exit's own `with`s ended (the copy-out's replays): the same undoing
+                    close_entered(self._entered)
+                finally:
+                    torch._C._set_grad_enabled(grad)
                 try:
                     self._stats = self._collect(rt)
                     if exc_type is None and not rt.counters.ops and rt.counters.off_arena:

@@ -418,8 +418,9 @@ def _grad_leaves_arena(leaf: torch.Tensor) -> None:
     if g is not None and g.requires_grad:
         return
     if _in_arena(g):
-        with plain_dispatch():
-            leaf.grad = g.as_plain().clone()
+        plain = g.as_plain()  # (restored first if it was evicted)
+        with torch._C._DisableTorchDispatch(), torch._C._AutoDispatchBelowADInplaceOrView():  # Note [Plain ops]
+            leaf.grad = plain.clone()
     elif is_traceable_wrapper_subclass(g) and any(_in_arena(getattr(g, n)) for n in g.__tensor_flatten__()[0]):
         with plain_dispatch():  # a DTensor parameter's gradient (FSDP2): its local tensor leaves the arena
             leaf.grad = transform_subclass(g, lambda _, t: t.as_plain().clone() if _in_arena(t) else t)

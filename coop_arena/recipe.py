@@ -21,7 +21,7 @@ import torch
 
 from . import ops
 from .errors import TensorLost, _internal_assert
-from .storage import Storage
+from .storage import State, Storage
 from .tensor import Cell, with_bits
 
 
@@ -120,6 +120,13 @@ class Data:
         """A plain tensor over wrapper `t`'s bytes: its own copy after the block, the arena inside it (with
         `copy=True`, inside it: a fresh copy of the whole storage, for paths that hand the bytes out). It has `t`'s
         conjugate and negative bits."""
+        rt = self.runtime
+        if rt is not None and not copy and self.detached is None and self.lost is None:
+            s = t._cell.storage
+            if s.state is State.RESIDENT:  # nothing to restore: only the view is made (Note [Plain ops])
+                with torch._C._DisableTorchDispatch(), torch._C._AutoDispatchBelowADInplaceOrView():
+                    view = rt.arena.view(s.offset, t.dtype, t.size(), t.stride(), t.storage_offset())
+                return with_bits(view, t.is_conj(), t.is_neg())
         with plain_dispatch():
             if self.detached is not None:
                 view = self.detached.view(t.dtype).as_strided(t.size(), t.stride(), t.storage_offset())
@@ -197,6 +204,9 @@ def capture_rng(device: torch.device, op: ops.OpInfo, args, kwargs: dict):
 #   first, those its block entered and never left (`close_entered`): the mode stack and a replay's generator
 #   state come back from them, while grad mode and the dispatch keys stay as the unwinding (the dispatcher's
 #   and autograd's own guards) left them.
+#   The Budget's exit itself copies out what is still held, which may replay (`replaying`, `_rng`) and runs under
+#   `plain_dispatch`: there no dispatcher's guard unwinds, so the exit keeps the dispatch keys and grad mode it
+#   started with around that work, and closes after it what the work left open.
 _entered = threading.local()  # .open: this thread's `whole`s entered and not left, oldest first
 
 
@@ -271,6 +281,16 @@ def plain_dispatch():
     """Run ops as the dispatch handler does (no autograd, no dispatch mode), for work started elsewhere."""
     with whole(torch.utils._python_dispatch._disable_current_modes()), torch._C._AutoDispatchBelowADInplaceOrView():
         yield
+
+
+# Note [Plain ops]
+# plain_dispatch pops every dispatch mode off the stack and puts them back, through two generator context
+# managers: about 6 us, paid twice for each leaf gradient that leaves the arena and for each `as_plain()` (an eighth
+# of the ops of a small MLP's step, 3 % of its host time). Code that runs ops only on plain tensors, and neither
+# enters a mode nor reads the mode stack, gets the same effect from two C++ guards (under 1 us, and no generator
+# an interrupt could leave suspended, Note [Interrupts], when written inline in one `with`): with the Python
+# dispatch key excluded no mode and no tensor subclass sees the ops, and autograd is skipped as in plain_dispatch.
+# A restore runs ops in modes of its own (a decomposed op re-enters the Budget's): it keeps plain_dispatch.
 
 
 def rewind(saved) -> None:
