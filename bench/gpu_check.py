@@ -275,8 +275,11 @@ def measure_model(name: str, device: str, deadline: float, smoke: bool) -> None:
         return
     engine_peak = probe.stats.peak_bytes
     probe_seconds = step_seconds(records)
+    # (on CUDA the arena moves bytes with the Triton kernel; one that does not compile there falls back to copy_
+    # with only a warning, and every run would then pass without the kernel ever relocating a tensor)
+    moves = "copy_" if probe.arena._move == probe.arena._move_torch else "triton"
     emit("engine_peak", nbytes=ample, status="ok", peak_bytes=engine_peak, evictions=probe.stats.evictions,
-         lower_bound=probe.stats.lower_bound, ops=probe.stats.ops, seconds=probe_seconds)
+         lower_bound=probe.stats.lower_bound, ops=probe.stats.ops, seconds=probe_seconds, arena_moves=moves)
     del probe, records
 
     for policy in POLICIES:
@@ -684,7 +687,8 @@ def summary(report: dict) -> str:
                 lines.append(f"Engine peak: {e['reason']} ({_gib(e['nbytes'])} GiB): {e['error']}")
                 continue
             lines.append(f"Engine peak (ample Budget of {_gib(e['nbytes'])} GiB, {e['evictions']} evictions): "
-                         f"{_gib(e['peak_bytes'])} GiB; lower bound {_gib(e['lower_bound'])} GiB; {e['ops']} ops.")
+                         f"{_gib(e['peak_bytes'])} GiB; lower bound {_gib(e['lower_bound'])} GiB; {e['ops']} ops; "
+                         f"arena moves by {e.get('arena_moves', 'n/a')}.")
         for e in _records(report, part, "error"):
             lines.append(f"Error: {e['error']}")
         if p.get("status") in ("timeout", "skipped"):

@@ -72,8 +72,9 @@ def _copy_bytes_kernel(
 def _num_tiles(n, BLOCK: tl.constexpr):
     """Tiles of BLOCK bytes that cover n bytes. n is widened first: Triton passes an n below 2**31 as int32, in which
     n + BLOCK - 1 wraps negative for the last BLOCK - 1 values (a move of just under 2 GiB would copy nothing). An n
-    of 1 arrives as a constexpr (Triton specialises int arguments equal to 1), which has no `.to`: to_tensor first."""
-    return tl.cdiv(tl.to_tensor(n).to(tl.int64), BLOCK)
+    of 1 arrives as a constexpr (Triton specialises int arguments equal to 1), which has no `.to`; `tl.full` takes
+    either (tl.to_tensor would too, but Triton 3.6 has none)."""
+    return tl.cdiv(tl.full((), n, tl.int64), BLOCK)
 
 
 @triton.jit

@@ -389,6 +389,7 @@ def test_gpu_check_measures_tiny_models_on_the_cpu(tmp_path):
         assert kinds[:3] == ["model", "plain", "engine_peak"] and kinds[3:] == ["run"] * 9
         plain, engine = result["records"][1], result["records"][2]
         assert plain["reproducible"] and engine["evictions"] == 0 and engine["peak_bytes"] > 0
+        assert engine["arena_moves"] == "copy_"  # the CPU's (on CUDA: "triton", unless the kernel failed there)
         runs = result["records"][3:]
         ok = [r for r in runs if r["status"] == "ok"]
         assert all(r["status"] in ("ok", "error") for r in runs) and ok
@@ -399,6 +400,7 @@ def test_gpu_check_measures_tiny_models_on_the_cpu(tmp_path):
     assert verdicts[:2] != ["n/a", "n/a"] and verdicts[2] == "n/a"  # no device memory counters on the CPU
     text = (tmp_path / "gpu_check.md").read_text()
     assert "## gpt2" in text and "## resnet50" in text and "| coop | 0.5 |" in text
+    assert "arena moves by copy_" in text
 
 
 def test_gpu_check_records_a_failed_engine_peak_probe_and_sizes_no_run(monkeypatch, capsys):
