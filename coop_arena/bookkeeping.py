@@ -43,7 +43,7 @@ import threading
 
 import torch
 from torch.nn.modules import module as _module
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_map
 
 from . import patches, sharded
@@ -194,6 +194,11 @@ def _data_guarded(original):
                 f"u's bytes live in the arena, where t cannot share them. module.to(), .double(), .half() and "
                 f".float() do this for every parameter: convert the model outside the block, before it (nothing was "
                 f"changed). To change a tensor's values inside the block use `with torch.no_grad(): t.copy_(u)`")
+        bk = patches.current()
+        if bk is not None and bk.settle is not None and _has_bytes(self) and not _same_view(self, new):
+            # The recipes of the block read `self` as the object itself (Rule 1): a replay after the swap would
+            # read `new`'s bytes. What read the old ones is settled first, as before a write (Rule 5).
+            bk.settle([self])
         original.__set__(self, new)
     return property(lambda self: original.__get__(self, type(self)), set_data, doc=original.__doc__)
 
@@ -201,6 +206,21 @@ def _data_guarded(original):
 _COPIES = [(torch.Tensor, "__deepcopy__", _copied_outside), (torch.nn.Parameter, "__deepcopy__", _copied_outside),
            (torch.Tensor, "data", _data_guarded),
            (torch.nn.parameter.UninitializedTensorMixin, "materialize", _materialized_outside)]
+
+
+def _has_bytes(t: torch.Tensor) -> bool:
+    """Whether ops can have read `t`'s own storage: not a lazy module's uninitialized parameter (materialized by
+    `t.data = ...`), nor a tensor subclass that keeps its data in inner tensors, nor a sparse tensor."""
+    return (t.layout == torch.strided and not isinstance(t, torch.nn.parameter.UninitializedTensorMixin)
+            and not is_traceable_wrapper_subclass(t))
+
+
+def _same_view(t: torch.Tensor, new: torch.Tensor) -> bool:
+    """Whether `t.data = new` changes nothing `t` reads (`module.to()` to the dtype and device it has)."""
+    if not _has_bytes(new):
+        return False
+    return (t.untyped_storage()._cdata == new.untyped_storage()._cdata and t.dtype == new.dtype
+            and t.size() == new.size() and t.stride() == new.stride() and t.storage_offset() == new.storage_offset())
 
 
 def _shape(t) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import sys
 import threading
 import warnings
@@ -30,11 +31,12 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import (TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode,
                                           _get_current_dispatch_mode_stack, _pop_mode, _push_mode)
 
+from . import patches
 from .arena import Arena, check_backend, resolve_device
 from .bookkeeping import Bookkeeping
 from .blocks import ALIGNMENT
 from .errors import ArenaAllocationError, AutocastNotPlanned, BudgetUsageError, CompileNotApplied, _fmt
-from .lifetime import pause_collection, resume_collection
+from .lifetime import forget_collection_pause, pause_collection, resume_collection
 from .memory import Memory
 from .ops import flatten
 from .optimizer import Steps
@@ -106,6 +108,38 @@ def _leave(mode: "_Mode") -> None:
     if above:
         warnings.warn(f"a block ended while a dispatch mode entered inside it was still active ({above[-1]!r}); "
                       f"it stays active after the block", RuntimeWarning, stacklevel=4)
+
+
+def _forked() -> None:
+    """Note [Fork inside a block]
+    Rationale: a process forked while a block runs (a DataLoader's workers, made when `iter(loader)` runs inside
+      `with budget:` with num_workers > 0 and the default fork context) inherits the forking thread's dispatch
+      mode stack, so the Budget's mode, and its hooks and patches. The workers then ran the dataset's indexing and
+      collation through a copy of the block: `default_collate` asks for the storage of what it stacks and failed
+      (UnsupportedOp, RawMemoryError), and nothing the child did could reach the parent's arena anyway.
+    Approach: after a fork, in the child, the block of the forking thread is closed without finishing it (its
+      mode taken off the stack, its hooks and patches removed), and the collector gets its thresholds back, so the
+      child runs as without a Budget; the parent's block goes on as it was. The locks a Budget takes are made anew
+      (another thread may have held one at the fork).
+    Limitations: a tensor of the block that the child reads is read from the child's copy of the arena: an op on
+      it gives a plain tensor, as after a block, but its own raw memory (data_ptr, untyped_storage) is refused as
+      inside the block (RawMemoryError). Writes in the child reach neither the parent's tensors nor its arena, as
+      for any forked process."""
+    global _claim
+    _claim = threading.Lock()
+    patches.after_fork()
+    forget_collection_pause()
+    budget = getattr(_active, "budget", None)
+    if budget is not None:
+        try:
+            budget._close_hooks()
+        finally:
+            budget._runtime = None
+            budget._owner = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
 
 
 def _autocast_on() -> bool:

@@ -711,6 +711,15 @@ class Dispatch:
         if not isinstance(t, Tensor):  # a tensor from before the Budget: its metadata is its owner's business
             if isinstance(t, torch.Tensor) and self.arena.owns(t):
                 raise UnsupportedOp(func, "it changes in place the shape of a raw view of the arena")
+            if any(isinstance(x, Tensor) and x._inside() or isinstance(x, torch.Tensor) and self.arena.owns(x)
+                   for x in ops.flatten(args[1:], kwargs)[0]):
+                raise UnsupportedOp(func, "it would give a tensor from before the block the arena bytes of a tensor "
+                                          "made inside it, which the next op may evict or move and a later block "
+                                          "overwrites; copy the values instead (`with torch.no_grad(): t.copy_(u)`)")
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                # Recipes read an external tensor as the object itself (Rule 1): a replay after this change would
+                # see its new shape or storage. What read it is settled first, as before a write (Rule 5).
+                self.runtime.settle([t])
             with plain_dispatch():
                 return func(*args, **kwargs)
         if t._cell.storage.payload.runtime is not self.runtime:

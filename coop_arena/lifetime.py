@@ -329,6 +329,16 @@ def resume_collection() -> None:
             gc.set_threshold(*_paused[1])
 
 
+def forget_collection_pause() -> None:
+    """In a process forked while blocks ran (Note [Fork inside a block] in budget.py): none runs in it, so its
+    collector gets its thresholds back now. (The lock is made anew: another thread may have held it at the fork.)"""
+    global _collector
+    _collector = threading.Lock()
+    if _paused[0]:
+        gc.set_threshold(*_paused[1])
+    _paused[0], _paused[1] = 0, None
+
+
 ANCHOR = 256  # a dead storage that this many evicted storages read (transitively) is kept resident too
 
 

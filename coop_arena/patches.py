@@ -49,6 +49,12 @@ def open(bookkeeping, replacements) -> None:
                 setattr(cls, name, wrap(original))
 
 
+def after_fork() -> None:
+    """In a forked child (Note [Fork inside a block] in budget.py): another thread may have held the lock."""
+    global _lock
+    _lock = threading.Lock()
+
+
 def close(bookkeeping) -> None:
     with _lock:
         if _open.get(threading.get_ident()) is bookkeeping:

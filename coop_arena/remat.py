@@ -462,10 +462,33 @@ class Remat:
         self.counters.frozen += 1
 
     def make_unevictable(self, s: Storage) -> None:
+        self._freeze_old_readers(s)
         s.payload.drop_recipe()
         if s.evictable:
             self.memory.make_unevictable(s)
             self.counters.count_unevictable(self.memory.table.round_up(s.nbytes), +1)
+
+    def _freeze_old_readers(self, s: Storage) -> None:
+        """`s` is about to drop its recipe, and with it every old version (before one of its writes) that other
+        recipes still read (Note [Old versions]): nothing could rebuild those any more. Their readers are frozen
+        first, while the old versions can still be replayed; one that cannot be restored now is lost (TensorLost
+        when a wrapper or a replay needs it), as a held tensor is when it cannot come back before an optimizer
+        step (Runtime._keep)."""
+        d = s.payload
+        if d.recipe is None or not d.mutations:
+            return
+        version = d.version
+        for r in list(s.readers()):
+            if r is s or r.payload is None or r.payload.recipe is None or not any(
+                    sid == s.sid and v != version for recipe in r.payload.recipes() for sid, v in recipe.versions):
+                continue
+            try:
+                self.freeze(r)
+            except (OutOfBudget, Thrashing, TensorLost) as e:
+                r.payload.lost = (f"storage {r.sid} was evicted and could not be restored before storage {s.sid}, "
+                                  f"an earlier value of which it was computed from, had to stay resident (so that "
+                                  f"value could no longer be recomputed): {e}")
+                r.payload.drop_recipe()
 
 
 class _Fighting(Exception):

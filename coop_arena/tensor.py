@@ -251,9 +251,13 @@ class Tensor(torch.Tensor):
             return plain.__deepcopy__(memo)
 
     def __copy__(self):
-        """Like a plain tensor's: a new leaf over the same bytes (another wrapper inside the block)."""
+        """Like a plain tensor's: a new leaf over the same bytes (another wrapper inside the block), an
+        nn.Parameter if this tensor is one."""
         if self._inside():
-            return self.detach().requires_grad_(self.requires_grad)
+            out = self.detach().requires_grad_(self.requires_grad)
+            if getattr(self, "_is_param", False):
+                out._is_param = True  # what nn.Parameter(t) gives a subclass: isinstance(out, nn.Parameter)
+            return out
         return self._view()
 
 

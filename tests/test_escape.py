@@ -101,15 +101,16 @@ PATHS = {
     "index": lambda t: (t[1], t[..., 1:3]),
     "equal": lambda t: (torch.equal(t, t.clone()), torch.equal(t, t + 1)),
     "parameter": nn.Parameter,
+    "parameter_copy": lambda t: copy.copy(nn.Parameter(t)),  # a Parameter still, as for a plain one
     "parameter_step": _parameter_step,
     "buffer": _buffer,
     "apply": lambda t: t.apply_(lambda v: v * 2 + 1),  # C++ over the bytes (it crashed the interpreter inside)
 }
 RAW = {"numpy", "dlpack", "data_ptr", "untyped_storage"}  # refused inside the block
 # paths whose result may be a coop_arena.Tensor where the reference's is plain (views of the tensor itself)
-WRAPPED = {"inside": {"copy", "iter", "index", "parameter", "buffer", "deepcopy_views", "apply"},
+WRAPPED = {"inside": {"copy", "iter", "index", "parameter", "parameter_copy", "buffer", "deepcopy_views", "apply"},
            "after": {"parameter", "parameter_step", "buffer", "apply"}}
-SHARES = ("numpy", "numpy_force", "asarray", "asarray_nocopy", "copy", "dlpack", "parameter")  # memory, after
+SHARES = ("numpy", "numpy_force", "asarray", "asarray_nocopy", "copy", "dlpack", "parameter", "parameter_copy")  # memory, after
 
 
 def canon(x, wrapped_ok: bool):

@@ -212,6 +212,61 @@ def test_a_tensor_whose_data_would_be_replaced_inside_the_block_gets_a_typed_err
     assert "intact torch.float32 True (2, 3)" in done.stdout
 
 
+def _swap_data(p, q):
+    p.data, q.data = q.data, p.data
+
+
+_NEW_DATA_OR_SHAPE = {
+    "data": lambda p, q: setattr(p, "data", q),
+    "swap": _swap_data,  # weight swapping (an EMA model's weights in and out)
+    "set_": lambda p, q: p.set_(q),
+    "t_": lambda p, q: p.t_(),
+    "unsqueeze_": lambda p, q: p.unsqueeze_(0),
+}
+
+
+@pytest.mark.parametrize("policy", ["coop", "dtr", "dte"])
+@pytest.mark.parametrize("change", _NEW_DATA_OR_SHAPE)
+def test_a_tensor_from_before_the_block_given_new_data_or_shape_keeps_what_was_computed_from_it(change, policy):
+    """A recipe reads a tensor from before the block as the object itself. After `p.data = q`, `p.set_(q)` or an
+    in-place shape change of `p`, the replay of an evicted tensor computed from `p` read `p`'s new storage (wrong
+    values, silently) or shape (a failed matmul); what read `p` is now settled first, as before a write."""
+    def run(budget):
+        torch.manual_seed(0)
+        x, p, q = torch.randn(64, 64), torch.randn(64, 64), torch.randn(64, 64)
+        with budget if budget is not None else contextlib.nullcontext():
+            y = x @ p
+            evicted = None
+            if budget is not None:
+                budget.memory.evict(y._cell.storage)
+                evicted = y._cell.storage.state
+            with torch.no_grad():
+                _NEW_DATA_OR_SHAPE[change](p, q)
+            out = [y.sum(), y * 1]
+        return [t.as_plain() if isinstance(t, coop_arena.Tensor) else t for t in (*out, y, p)], evicted
+
+    want, _ = run(None)
+    budget = coop_arena.Budget(64 << 10, device="cpu", policy=policy)
+    got, evicted = run(budget)
+    assert evicted is coop_arena.storage.State.EVICTED and budget.stats.rematerializations > 0
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+def test_set_of_a_tensor_from_before_the_block_to_arena_bytes_is_refused():
+    """`p.set_(y)` with `y` made inside the block gave `p` the arena's bytes: a later block overwrote `p`."""
+    p = torch.ones(8, 8)
+    budget = coop_arena.Budget(1 << 20, device="cpu")
+    with budget:
+        y = torch.ones(8, 8) * 2
+        with pytest.raises(coop_arena.UnsupportedOp, match="arena bytes of a tensor made inside"):
+            with torch.no_grad():
+                p.set_(y)
+        assert torch.equal(p, torch.ones(8, 8))  # nothing changed
+    with budget:
+        torch.full((4096,), 7.0) + 1
+    assert torch.equal(p, torch.ones(8, 8))
+
+
 def test_ops_on_tensors_of_another_device_alone_run_there():
     """A CPU tensor made inside a block on another device (torch.tensor([...]) and what is computed from it alone)
     is what PyTorch makes: it raised BudgetUsageError at torch.tensor itself (its lift_fresh). Run on `meta` here,

@@ -162,6 +162,37 @@ def test_adamw_step_at_a_tight_budget():
     assert bitwise_equal(list(plain.parameters()), list(model.parameters()))
 
 
+@pytest.mark.parametrize("policy", ["coop", "dtr", "dte"])
+@pytest.mark.parametrize("foreach", [False, True], ids=["single-tensor", "foreach"])
+def test_a_parameter_made_in_the_block_trains_there_with_clipping_and_momentum(foreach, policy):
+    """A weight made inside the block, trained there by clip_grad_norm_ and SGD with momentum for three steps.
+    The momentum buffer (outside the arena) is written into the weight at each step, so the optimizer's next step
+    keeps the weight resident for good; the earlier value of the weight, which the first step's activations read,
+    could then no longer be rebuilt, and restoring one of those activations failed with an AttributeError."""
+    def run(budget):
+        torch.manual_seed(0)
+        x = torch.randn(64, 64)
+        with budget if budget is not None else contextlib.nullcontext():
+            w = torch.randn(64, 64, requires_grad=True)
+            opt = torch.optim.SGD([w], lr=0.01, momentum=0.9, foreach=foreach)
+            losses = []
+            for _ in range(3):
+                loss = torch.tanh(x @ w).square().mean()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_([w], 1.0, foreach=foreach)
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss)
+        return [w.detach(), opt.state[w]["momentum_buffer"], *[loss.detach() for loss in losses]]
+
+    reference = run(None)
+    for nbytes, evicts in [(256 << 10, False), (96 << 10, True)]:
+        budget = coop_arena.Budget(nbytes, device="cpu", policy=policy)
+        assert bitwise_equal(reference, run(budget))
+        assert (budget.stats.evictions > 0) == evicts
+        assert budget.stats.rematerializations > 0
+
+
 @pytest.mark.parametrize("fraction", [0.35, 0.1])
 def test_tensors_held_across_a_step_keep_the_values_of_the_old_parameters(fraction):
     """Activations held across `opt.step()` inside the block, some evicted: they are restored from the parameters
@@ -197,6 +228,39 @@ def test_tensors_held_across_a_step_keep_the_values_of_the_old_parameters(fracti
         else:
             with pytest.raises(coop_arena.TensorLost, match="before a write to a tensor outside the arena overwrote"):
                 h.as_plain()
+
+
+def test_a_dataloader_with_forked_workers_iterated_inside_the_block():
+    """`with budget: for x, y in loader:` with worker processes: a forked worker inherited the block's dispatch mode
+    and collated its batches through a copy of the Budget, which failed (UnsupportedOp from default_collate's shared
+    storage); the workers now run as without a Budget (Note [Fork inside a block] in budget.py), and the parent's
+    block trains exactly as plain PyTorch does."""
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(256, 32), torch.randn(256, 8))
+
+    def run(budget):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), *[m for _ in range(6) for m in (nn.Tanh(), nn.Linear(64, 64))],
+                              nn.Tanh(), nn.Linear(64, 8))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        loader = torch.utils.data.DataLoader(data, batch_size=64, num_workers=2, multiprocessing_context="fork")
+        evictions, losses = 0, []
+        with budget if budget is not None else contextlib.nullcontext():
+            for x, y in loader:
+                assert type(x) is torch.Tensor  # made in a worker, outside any Budget
+                loss = (model(x) - y).square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach())
+            evictions = budget.stats.evictions if budget is not None else 0
+        return [*model.parameters(), *losses], evictions
+
+    reference, _ = run(None)
+    peak = peak_of(lambda b: run(b))
+    got, evictions = run(coop_arena.Budget(peak // 2, device="cpu"))
+    assert evictions > 0
+    assert bitwise_equal(reference, got)
 
 
 def test_exception_inside_step_hands_the_ops_back_to_the_budget():
