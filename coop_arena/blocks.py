@@ -98,7 +98,8 @@ class BlockTable:
 
     def round_up(self, nbytes: int) -> int:
         a = self.alignment
-        return max(a, (nbytes + a - 1) // a * a)
+        n = (nbytes + a - 1) // a * a
+        return n if n > a else a
 
     def index_of(self, offset: int) -> int:
         """Position in address order of the block starting at `offset`."""
@@ -135,8 +136,13 @@ class BlockTable:
 
     def best_fit(self, nbytes: int) -> int | None:
         """Offset of the smallest free block of at least `nbytes` (aligned), lowest address on ties."""
-        j = bisect.bisect_left(self._free, (self.round_up(nbytes), -1))
-        return self._free[j][1] if j < len(self._free) else None
+        return self.best_fit_aligned(self.round_up(nbytes))
+
+    def best_fit_aligned(self, need: int) -> int | None:
+        """`best_fit` of a size that is a multiple of the alignment already (round_up)."""
+        free = self._free
+        j = bisect.bisect_left(free, (need, -1))
+        return free[j][1] if j < len(free) else None
 
     @property
     def free_bytes(self) -> int:
@@ -147,10 +153,10 @@ class BlockTable:
         return self._free[-1][0] if self._free else 0
 
     # --------------------------------------------------------------------------------------------- mutation
-    def place(self, free_offset: int, nbytes: int, owner: int, high: bool) -> int:
+    def place(self, free_offset: int, nbytes: int, owner: int, high: bool, aligned: bool = False) -> int:
         """Give `owner` an aligned range of `nbytes` at the low (or high) edge of the free block at
-        `free_offset`; returns the range's offset."""
-        need = self.round_up(nbytes)
+        `free_offset`; returns the range's offset. `aligned`: `nbytes` is rounded up already (round_up)."""
+        need = nbytes if aligned else self.round_up(nbytes)
         b = self._id(free_offset)
         size, cur = self._size[b], self._owner[b]
         if owner <= 0 or cur != FREE or size < need:  # messages are formatted only on failure (a hot path)

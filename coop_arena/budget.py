@@ -237,11 +237,12 @@ class _Mode(TorchDispatchMode):
         kwargs = kwargs or {}
         if torch._C._get_dispatch_mode(_FAKE) is not None:  # it sits below this mode, yet was entered inside it
             return func(*args, **kwargs)  # a FakeTensorMode's shapes (DTensor's sharding propagation): not the step's
-        if any(t is not Tensor and t.__torch_dispatch__ is not _NO_DISPATCH for t in types):
-            for x in flatten(args, kwargs)[0]:  # (a DTensor parameter: its gradient leaves the arena, lifetime.py)
-                if isinstance(x, torch.Tensor) and type(x) in types:
-                    self.runtime.lifetime.watch_leaf(x)
-            return NotImplemented  # another tensor subclass (FSDP2's DTensor) unwraps first; its ops come back here
+        for t in types:
+            if t is not Tensor and t.__torch_dispatch__ is not _NO_DISPATCH:
+                for x in flatten(args, kwargs)[0]:  # (a DTensor parameter: its gradient leaves the arena, lifetime.py)
+                    if isinstance(x, torch.Tensor) and type(x) in types:
+                        self.runtime.lifetime.watch_leaf(x)
+                return NotImplemented  # another tensor subclass (FSDP2's DTensor) unwraps first; its ops come back here
         if self.arena.stream is not None and not self._engines_own(args, kwargs):  # CUDA: Note [Streams] in arena.py
             self.arena.check_stream(func)
         if self.steps.frames and self.steps.plain(args, kwargs):

@@ -148,6 +148,8 @@ def _drew(call: _Call, rng) -> object:
 
 
 _RRELU = torch.ops.aten.rrelu_with_noise.default
+_LIFT_FRESH, _AS_STRIDED, _DETACH, _COPY = (aten.lift_fresh.default, aten.as_strided.default, aten.detach.default,
+                                           aten.copy_.default)
 
 
 def _rrelu_in_eval(args, kwargs):
@@ -199,12 +201,13 @@ class _Call:
     """One op call in progress: its arguments as given, as plain tensors, and as recorded for a recipe."""
 
     __slots__ = ("func", "op", "args", "kwargs", "leaves", "spec", "inputs", "plain", "recorded", "pargs", "pkwargs",
-                 "stats", "cost")
+                 "stats", "cost", "trimmed", "external")
 
     def __init__(self, func, op, args, kwargs, leaves, spec):
         self.func, self.op, self.args, self.kwargs, self.leaves, self.spec = func, op, args, kwargs, leaves, spec
         self.inputs: list[Storage] = []
         self.stats = ()  # (position, storage) of what it writes in the arena unmarked (_STATS_WRITES, _RESERVE_WRITES)
+        self.trimmed = False  # its recipe records arguments as None that `recorded` has (Dispatch._hidden_writes)
 
 
 class Dispatch:
@@ -230,7 +233,7 @@ class Dispatch:
             func, args, kwargs = _rrelu_in_eval(args, kwargs)
         elif func in _OFFSET_IN_STORAGE and isinstance(args[0], Tensor):
             _refuse_storage_offset(func, args, kwargs)
-        elif (func is aten.lift_fresh.default and not isinstance(args[0], Tensor) and args[0].device == self.device
+        elif (func is _LIFT_FRESH and not isinstance(args[0], Tensor) and args[0].device == self.device
               and not (self.bookkeeping is not None and self.bookkeeping.active())):  # (an optimizer's state: not)
             return self._lifted(args[0])
         op = ops.info(func)
@@ -251,12 +254,15 @@ class Dispatch:
                 written = [v for _, value in self._written(call, args, kwargs)
                            for v in (value if isinstance(value, (list, tuple)) else [value]) if v is not None]
                 return run_outside(self, func, args, kwargs, written)
-            call.inputs = [mine[sid] for sid in sorted(mine)]  # program order
-            pins = self.remat.acquire(call.inputs, op.name)
-            for s in call.inputs:
+            call.inputs = inputs = [mine[sid] for sid in sorted(mine)] if len(mine) > 1 else list(mine.values())
+            if op.returns_alias and not op.written and all(s.state is State.RESIDENT for s in inputs):
+                pass  # a view places nothing, so nothing is evicted while it runs: no pins (they matter to plans only)
+            else:
+                pins = self.remat.acquire(inputs, op.name)
+            for s in inputs:
                 memory.touch(s)
             if op.written:
-                self._bind(call, owner)
+                self._bind(call, owner, fresh=True)
                 return self._run_write(call)
             if op.returns_alias:
                 self._bind(call, owner)
@@ -268,21 +274,23 @@ class Dispatch:
             if lifetime.dead:
                 lifetime.drain()
 
-    def _bind(self, call: _Call, owner: dict) -> None:
+    def _bind(self, call: _Call, owner: dict, fresh: bool = False) -> None:
         """Plain tensors for the op to run on (arena views of its inputs) and the arguments its recipe records.
-        From here until the op has run, the inputs' views are live: nothing may move (Note [Relocation])."""
+        From here until the op has run, the inputs' views are live: nothing may move (Note [Relocation]). `fresh`:
+        new views, for an op that writes its arguments (Note [Views kept] in tensor.py)."""
         self.memory.may_relocate = False
         leaves = call.leaves
         plain, recorded = list(leaves), list(leaves)
+        call.external = False  # whether it reads a tensor from outside the arena (Dispatch._externals)
         for i, x in enumerate(leaves):
             if i in owner:
-                plain[i], recorded[i] = self.arena_arg(x, owner[i])
+                plain[i], recorded[i] = self.arena_arg(x, owner[i], fresh)
             elif isinstance(x, torch.Tensor):  # See Rule 1: read, never moved
                 if isinstance(x, Tensor):
                     x._check_thread(call.func)  # another Budget's block, running on another thread
                 p = x.as_plain() if isinstance(x, Tensor) else x
                 if (p.device != self.device and p.dim() > 0 and (p.is_floating_point() or p.is_complex())
-                        and not (call.func is aten.copy_.default and i == 1)):
+                        and not (call.func is _COPY and i == 1)):
                     # (integer and bool tensors on the CPU are indices, masks and lengths, which PyTorch's
                     # kernels take with tensors on the device: `x[cpu_index]`, pack_padded_sequence's lengths;
                     # and a copy into the arena may read any device: `model(x.cuda())` inside the block)
@@ -290,6 +298,7 @@ class Dispatch:
                         f"{call.func} got a tensor on {p.device}, but this Budget's arena is on {self.device}; "
                         f"move the model and its inputs to {self.device} before entering the Budget")
                 plain[i] = recorded[i] = p
+                call.external = True
                 self.lifetime.watch_leaf(x)
         call.plain, call.recorded = plain, recorded
         call.pargs, call.pkwargs = ops.unflatten(plain, call.spec)
@@ -305,7 +314,7 @@ class Dispatch:
         self._account(cost)
         rargs, rkwargs = ops.unflatten(call.recorded, call.spec)
         recipe = Recipe.make(call.func, rargs, rkwargs, rng, cost, uninitialized=call.op.uninitialized,
-                             grad_mode=torch.is_grad_enabled())
+                             grad_mode=torch.is_grad_enabled(), leaves=call.recorded)
         return out, out_leaves, recipe
 
     def _call_op(self, call: _Call):
@@ -340,7 +349,8 @@ class Dispatch:
             self._bind(call, owner)
             return self._run_temporary(call, None, host=host)  # its outputs are returned as they are
         plan = placement.plan_for(call.func, call.op, call.args, call.kwargs, self.device.type,
-                                  sizing=self.runtime.sizing and not call.op.uninitialized)
+                                  sizing=self.runtime.sizing and not call.op.uninitialized,
+                                  flat=(call.leaves, call.spec))
         if isinstance(plan, placement.Sizing):  # a new shape, sized by the device: Note [Shapes that change]
             self._bind(call, owner)
             result = self._run_temporary(call, None, direct=plan.like.out_op is not None or call.op.uninitialized)
@@ -430,6 +440,8 @@ class Dispatch:
         """(position, tensor) of the op's tensor arguments that live outside the arena, the key under which what
         it writes among them is remembered, and those positions (None before the first call of this op
         configuration with these arguments external)."""
+        if not call.external:  # (most ops: every tensor it reads is in the arena)
+            return [], None, frozenset()
         externals = [(pos, t) for pos, name, _ in call.op.tensor_args
                      if isinstance(t := ops.arg(call.pargs, call.pkwargs, pos, name, False), torch.Tensor)
                      and not self.arena.owns(t)]
@@ -504,6 +516,7 @@ class Dispatch:
         (_STATS_WRITES, _RESERVE_WRITES). Returns whether the outputs stay evictable. Arguments the kernel did
         not read are dropped from the recipe first (_UNREAD_IN_TRAINING)."""
         unread, train = _UNREAD_IN_TRAINING.get(call.func, ((), None))
+        args = recipe.args
         if train is None or len(recipe.args) > train and recipe.args[train] is True:
             for pos in unread:
                 recipe.without_arg(pos)
@@ -518,6 +531,7 @@ class Dispatch:
                     recipe.without_arg(pos)
                 else:  # (a custom op's output may read what it wrote: replayed without it, its bits would differ)
                     evictable = False
+        call.trimmed = call.trimmed or recipe.args is not args
         return evictable
 
     def _run_direct(self, call: _Call, owner: dict, plan):
@@ -558,7 +572,7 @@ class Dispatch:
                 written = self._after_probe(probe, key)
             rargs, rkwargs = ops.unflatten(call.recorded, call.spec)
             recipe = Recipe.make(func, rargs, rkwargs, rng, plan.cost, uninitialized=call.op.uninitialized,
-                                 grad_mode=torch.is_grad_enabled(), direct=plan)
+                                 grad_mode=torch.is_grad_enabled(), direct=plan, leaves=call.recorded)
             evictable = self._hidden_writes(call, recipe, externals, written) and not _keeps_outputs(call)
             results = []
             for j, (s, o, v) in enumerate(zip(placed, plan.outputs, views)):
@@ -571,7 +585,7 @@ class Dispatch:
                     s.payload.recipe = None
                 elif not evictable:
                     self.remat.make_unevictable(s)
-                results.append(self.lifetime.wrap(s, o.dtype, o.size, o.stride, 0))
+                results.append(self.lifetime.wrap(s, o.dtype, o.size, o.stride, 0, view=None if guard else v))
             self.counters.count_placed(sum(o.nbytes for o in plan.outputs), 0, 0)
         except BaseException:
             for s in placed:
@@ -590,16 +604,21 @@ class Dispatch:
                                      stride, storage_offset)
 
     def _placed(self, call: _Call, placed, recipe: Recipe) -> None:
+        memory = self.memory
+        round_up = memory.table.round_up
+        ws = 0
         for s in placed:
-            self.memory.unpin(s)
-        table = self.memory.table
-        ws = sum(table.round_up(s.nbytes) for s in call.inputs) + sum(table.round_up(s.nbytes) for s in placed)
-        self.counters.working_set_peak = max(self.counters.working_set_peak, ws)
+            memory.unpin(s)
+            ws += round_up(s.nbytes)
+        for s in call.inputs:
+            ws += round_up(s.nbytes)
+        if ws > self.counters.working_set_peak:
+            self.counters.working_set_peak = ws
         # What the recipe reads, not what the op did: a batch norm's recipe leaves out the running statistics it
         # updates (Rule 5), and its outputs taken for their readers made every later update keep them, and what
         # was computed from them, for good.
         if placed and any(isinstance(a, torch.Tensor) for a in call.recorded):
-            self._note_external_reads(ops.flatten(recipe.args, recipe.kwargs)[0],
+            self._note_external_reads(ops.flatten(recipe.args, recipe.kwargs)[0] if call.trimmed else call.recorded,
                                       [s for s in placed if s.payload.recipe is not None])
 
     def _run_temporary(self, call: _Call, plan, host: bool = False, direct: bool = False):
@@ -627,7 +646,7 @@ class Dispatch:
             written = self._after_probe(probe, key)
         rargs, rkwargs = ops.unflatten(call.recorded, call.spec)
         recipe = Recipe.make(func, rargs, rkwargs, rng, cost, uninitialized=call.op.uninitialized,
-                             grad_mode=torch.is_grad_enabled())
+                             grad_mode=torch.is_grad_enabled(), leaves=call.recorded)
         evictable = self._hidden_writes(call, recipe, externals, written) and not _keeps_outputs(call)
         placed, temporary, alive = [], 0, 0
         outside = {t.untyped_storage()._cdata for _, t in externals}  # (placement: outputs that alias inputs)
@@ -662,13 +681,14 @@ class Dispatch:
         s.payload = Data(self.runtime, dead_ref, recipe if evictable else None, index)
         if not evictable:
             self.counters.count_unevictable(self.memory.table.round_up(s.nbytes), +1)
+        view = self.arena.view(s.offset, o.dtype, size, stride, 0)
         if self.device.type != "meta":
-            self.arena.view(s.offset, o.dtype, size, stride, 0).copy_(o)
-        return self.lifetime.wrap(s, o.dtype, size, stride, 0)
+            view.copy_(o)
+        return self.lifetime.wrap(s, o.dtype, size, stride, 0, view=view)
 
     # ---------------------------------------------------------------------------------------------- views
     def _run_view(self, call: _Call):
-        if call.func is aten.as_strided.default and isinstance(call.args[0], Tensor):
+        if call.func is _AS_STRIDED and isinstance(call.args[0], Tensor):
             # its storage offset counts from the start of the tensor's storage; the plain view's storage is the
             # whole arena, so the offset moves by where the storage lies in it
             t, plain = call.args[0], call.pargs[0]
@@ -684,7 +704,7 @@ class Dispatch:
             return self._wrap_alias(out, call.inputs, call.func)
         out = call.func(*call.pargs, **call.pkwargs)
         self.memory.may_relocate = True
-        if call.func is aten.detach.default:  # detach keeps its input's kind
+        if call.func is _DETACH:  # detach keeps its input's kind
             x = call.args[0]
             if not isinstance(x, Tensor):
                 return out  # a raw view's stays raw: C++ readers (numpy()) detach it, then read the pointer
@@ -700,8 +720,8 @@ class Dispatch:
         rel = o.storage_offset() * o.element_size() - s.offset
         if rel % o.element_size():  # (the message is formatted only on failure: this runs for every view op)
             _internal_assert(False, f"{func}: view offset {rel} not a multiple of its item size")
-        return with_bits(self.lifetime.wrap(s, o.dtype, o.size(), o.stride(), rel // o.element_size()), o.is_conj(),
-                         o.is_neg())
+        return self.lifetime.wrap(s, o.dtype, o.size(), o.stride(), rel // o.element_size(), o.is_conj(), o.is_neg(),
+                                  view=o)
 
     def _run_inplace_view(self, func, args, kwargs):
         """An op that changes a tensor's shape in place (unsqueeze_, as_strided_): the new metadata is computed
@@ -734,6 +754,7 @@ class Dispatch:
             raise UnsupportedOp(func, f"the new shape does not fit the tensor's storage: {e}") from e
         with torch._C._DisableTorchDispatch():
             torch.Tensor.as_strided_(t, v.size(), v.stride(), v.storage_offset())
+        t._forget_view()
         return t
 
     # ---------------------------------------------------------------------------------------------- writes
@@ -835,6 +856,7 @@ class Dispatch:
             if isinstance(t, Tensor) and (t.size() != v.size() or t.stride() != v.stride()):
                 with torch._C._DisableTorchDispatch():
                     torch.Tensor.as_strided_(t, v.size(), v.stride(), t.storage_offset())
+                t._forget_view()
 
     def _results_of_write(self, call: _Call, out, inputs):
         """An output aliasing a written argument is that argument's original object (autograd expects `self`)."""
@@ -945,11 +967,22 @@ class Dispatch:
                         f"wrapper's memory, none. Its bytes are gone; convert or reassign parameters outside the block")
         return owner
 
-    def arena_arg(self, x, s: Storage):
-        """(plain view of the arena, ArgRef) for argument `x`, which lies in storage `s`."""
-        offset = x.storage_offset()
-        if not isinstance(x, Tensor):  # a raw view: its offset counts from the arena's start
-            offset -= s.offset // x.element_size()
+    def arena_arg(self, x, s: Storage, fresh: bool = False):
+        """(plain view of the arena, ArgRef) for argument `x`, which lies in storage `s`. A wrapper's kept view is
+        used unless `fresh` (Note [Views kept] in tensor.py)."""
+        if isinstance(x, Tensor):
+            meta = x._meta
+            if meta is None:
+                meta = x._meta = (x.dtype, tuple(x.size()), tuple(x.stride()), x.storage_offset(), x.is_conj(),
+                                  x.is_neg())
+            dtype, size, stride, offset, conj, neg = meta
+            view = x._kept
+            if fresh or view is None or x._kept_at != s.offset:
+                view = with_bits(self.arena.view(s.offset, dtype, size, stride, offset), conj, neg)
+                if not fresh:
+                    x._kept, x._kept_at = view, s.offset
+            return view, ArgRef(s, s.payload.version, dtype, size, stride, offset, conj, neg)
+        offset = x.storage_offset() - s.offset // x.element_size()  # a raw view: its offset counts from the arena's start
         size, stride, conj, neg = tuple(x.size()), tuple(x.stride()), x.is_conj(), x.is_neg()
         return (with_bits(self.arena.view(s.offset, x.dtype, size, stride, offset), conj, neg),
                 ArgRef(s, s.payload.version, x.dtype, size, stride, offset, conj, neg))

@@ -93,7 +93,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass, transfor
 from .errors import CoopArenaError, OutOfBudget, _fmt, _internal_assert
 from .recipe import dead_ref, plain_dispatch
 from .storage import State, Storage, prune
-from .tensor import Tensor, adopt
+from .tensor import Tensor, adopt, with_bits
 
 
 class _WrapperRef(weakref.ref):
@@ -119,9 +119,18 @@ class Lifetime:
         self._hooks: dict[int, object] = {}           # their post-accumulate-grad hooks, by the same key
 
     # ============================================================================================ wrappers
-    def wrap(self, s: Storage, dtype, size, stride, offset: int) -> Tensor:
+    def wrap(self, s: Storage, dtype, size, stride, offset: int, conj: bool = False, neg: bool = False,
+             view: torch.Tensor | None = None) -> Tensor:
+        """A wrapper over `s`; `view`, when given, is a plain arena view with the same metadata (Note [Views kept]
+        in tensor.py)."""
         cell = s.payload.cell(s)
-        t = Tensor(cell, size, stride, offset, dtype, self.device)
+        t = Tensor.__new__(Tensor, cell, size, stride, offset, dtype, self.device)  # (its __init__ does nothing)
+        size, stride = tuple(size), tuple(stride)
+        if conj or neg:
+            with_bits(t, conj, neg)
+        t._meta = (dtype, size, stride, offset, conj, neg)
+        if view is not None:
+            t._kept, t._kept_at = view, s.offset
         s.payload.wrappers += 1
         if s.payload.wrappers == 1:
             self.counters.count_live(s.nbytes)

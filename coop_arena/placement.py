@@ -106,6 +106,7 @@ from . import ops
 from .cost import op_cost
 from .errors import UnsupportedOp
 from .recipe import whole
+from .tensor import Tensor
 
 _BACKEND_KEY = {"cpu": "CPU", "cuda": "CUDA", "meta": "CPU"}
 
@@ -179,10 +180,11 @@ class Sizing:
         self.key, self.like = key, like
 
 
-def plan_for(func, op, args, kwargs, device_type: str, sizing: bool = False) -> OpPlan | Sizing | None:
+def plan_for(func, op, args, kwargs, device_type: str, sizing: bool = False, flat=None) -> OpPlan | Sizing | None:
     """The plan of a functional op called with plain `args`/`kwargs`, or None when it cannot run on meta. With
-    `sizing`, a new configuration that the device can size instead of `meta` gives a `Sizing`."""
-    leaves, spec = ops.flatten(args, kwargs)
+    `sizing`, a new configuration that the device can size instead of `meta` gives a `Sizing`. `flat`: the
+    arguments' (leaves, spec) when the caller has them (ops.flatten)."""
+    leaves, spec = flat if flat is not None else ops.flatten(args, kwargs)
     key = _plan_key(func, leaves, spec, device_type)
     if key is None:
         return _make_plan(func, op, leaves, spec, device_type)
@@ -319,7 +321,8 @@ def _key(leaves) -> tuple | None:
     out = []
     for x in leaves:
         if isinstance(x, torch.Tensor):
-            out.append(_TensorKey((x.dtype, tuple(x.size()), tuple(x.stride()))))
+            meta = x._meta if type(x) is Tensor else None  # as made (Note [Views kept] in tensor.py)
+            out.append(_TensorKey(meta[:3] if meta is not None else (x.dtype, tuple(x.size()), tuple(x.stride()))))
         elif isinstance(x, torch.ScriptObject):
             return None
         elif isinstance(x, list):

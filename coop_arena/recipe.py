@@ -53,11 +53,13 @@ class Recipe:
     direct: object = None   # placement.OpPlan when its out= variant writes into the arena (Note [Direct placement])
 
     @staticmethod
-    def make(func, args, kwargs, rng, cost, *, uninitialized=False, grad_mode=True, direct=None) -> "Recipe":
+    def make(func, args, kwargs, rng, cost, *, uninitialized=False, grad_mode=True, direct=None,
+             leaves=None) -> "Recipe":
+        """`leaves`: the flat arguments (ops.flatten) when the caller has them."""
         seen: dict[int, Storage] = {}
         versions = set()
-        for a in ops.flatten(args, kwargs)[0]:
-            if isinstance(a, ArgRef):
+        for a in ops.flatten(args, kwargs)[0] if leaves is None else leaves:
+            if type(a) is ArgRef:
                 seen.setdefault(a.storage.sid, a.storage)
                 versions.add((a.storage.sid, a.version))
         return Recipe(func, args, kwargs, rng, cost, uninitialized, grad_mode, tuple(seen.values()),

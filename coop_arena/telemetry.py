@@ -93,6 +93,9 @@ class Event(NamedTuple):
     clock: float
 
 
+_event = tuple.__new__  # an Event from its five fields, without NamedTuple's keyword handling (one per memory event)
+
+
 @dataclass(slots=True)
 class Trace:
     """The most recent `maxlen` events, oldest first."""
@@ -104,7 +107,7 @@ class Trace:
         self.events = deque(maxlen=self.maxlen)
 
     def add(self, kind: str, sid: int, offset: int, nbytes: int, clock: float) -> None:
-        self.events.append(Event(kind, sid, offset, nbytes, clock))
+        self.events.append(_event(Event, (kind, sid, offset, nbytes, clock)))
 
     def evictions(self) -> list[int]:
         return [e.sid for e in self.events if e.kind == "evict"]

@@ -7,6 +7,18 @@ record holding the bytes. Eviction and restoring happen per storage (Rule 2), so
 Outside a Budget (after the block ends) a wrapper reads the plain copy its storage was given on exit; any op
 on it then runs on that plain tensor and returns plain tensors.
 
+Note [Views kept]
+Rationale: every op reads its inputs' metadata and makes a plain view of each one's bytes in the arena. On a
+  wrapper subclass each metadata call costs several times what it costs on a plain tensor (sizes, strides, dtype,
+  the conjugate and negative bits: about 3 us per input on the 2-core CPU), and a view costs as much again.
+Approach: a wrapper keeps the metadata it was made with (`_meta`) and the plain view it was made from or placed
+  into (`_kept`, with the storage offset it was made at, `_kept_at`). An op reads them instead, while the storage
+  lies at that offset; a storage restored or moved elsewhere gets a new view at the next op. Whatever changes a
+  wrapper's metadata or storage in place (an in-place view op, an out= kernel that resizes its output, `t.data =`,
+  the copy-out at the block's end) forgets both. A written argument always gets a fresh view (a kernel such as
+  `resize_` may change the view it is given).
+Limitations: a wrapper holds one plain tensor more while its block runs.
+
 Note [Escaped tensors]
 Rationale: a wrapper that outlives its block (`loss`, logits, a kept activation) is the user's tensor: it must work
   wherever a plain tensor of its dtype, shape, strides and device works, including the paths that do not go
@@ -76,12 +88,22 @@ class Tensor(torch.Tensor):
     # handled below autograd, in the Budget's dispatch mode or in __torch_dispatch__ here.
     __torch_function__ = torch._C._disabled_torch_function_impl
 
+    _meta = None  # (dtype, size, stride, storage_offset, conj, neg) as made, or None: read them (Note [Views kept])
+    _kept = None  # a plain view of its bytes in the arena, made when its storage was at `_kept_at`, or None
+
     @staticmethod
     def __new__(cls, cell: Cell, size, stride, storage_offset: int, dtype: torch.dtype, device: torch.device):
-        t = torch.Tensor._make_wrapper_subclass(cls, size, strides=stride, storage_offset=storage_offset,
-                                                dtype=dtype, device=device, requires_grad=False)
+        if storage_offset:  # (requires_grad is False by default, and so is a storage offset of 0: a wrapper per op)
+            t = torch.Tensor._make_wrapper_subclass(cls, size, strides=stride, storage_offset=storage_offset,
+                                                    dtype=dtype, device=device)
+        else:
+            t = torch.Tensor._make_wrapper_subclass(cls, size, strides=stride, dtype=dtype, device=device)
         t._cell = cell
         return t
+
+    def _forget_view(self) -> None:
+        """Its metadata or its storage changed: what Note [Views kept] keeps is read again at the next op."""
+        self._meta = self._kept = None
 
     def __init__(self, *args, **kwargs):  # everything happens in __new__
         super().__init__()
@@ -120,12 +142,14 @@ class Tensor(torch.Tensor):
                     f"a {type(new).__name__} from outside it, whose bytes the arena does not hold); assign "
                     f"`t.data = new.clone()` or use `new` itself")
             torch._C.TensorBase.data.__set__(self, new)
+            self._forget_view()
             runtime.lifetime.rebind(self, new._cell)
             return
         if isinstance(new, Tensor) and new._inside():
             raise BudgetUsageError("`t.data = new` with `new` made inside a running Budget block and `t` from an "
                                    "earlier one: assign `t.data = new` inside the block that made `t`, or after it")
         torch._C.TensorBase.data.__set__(self, new)
+        self._forget_view()
         self._cell = new._cell if isinstance(new, Tensor) else _escaped_cell(new)
 
     def _inside(self) -> bool:
@@ -279,3 +303,4 @@ def adopt(pairs) -> None:
     with torch._C._DisableTorchDispatch(), torch._C._AutoDispatchBelowADInplaceOrView():
         for t, storage in pairs:
             torch.Tensor.set_(t, storage, t.storage_offset(), t.size(), t.stride())
+            t._kept = None  # (its arena view: Note [Views kept])
