@@ -36,7 +36,7 @@ MODELS = ("mlp", "cnn", "gpt", "lstm")
 POLICIES = ("coop", "dtr", "dte")
 TRACE = 10**8
 MAX_OVERHEAD = 30.0
-TIMING = ("search_seconds", "search_seconds_per_event", "search_seconds_max")
+TIMING = ("search_seconds", "search_seconds_per_event", "search_seconds_max", "replayed_ops")  # (and not decisions)
 
 
 class Recorder:

@@ -81,6 +81,8 @@ class BudgetStats:
     temporary_bytes: int = 0   # of those, bytes computed into a temporary first (no out= kernel) and copied in
     temporary_peak: int = 0    # largest temporaries alive at once, outside the arena: the device footprint is
                                # nbytes + temporary_peak
+    replayed_ops: int = 0      # of `ops`, those run while the block followed the previous block's decisions
+                               # (replay=True, Note [Step replay]): all of them when the step repeats the last one
 
     @property
     def exit_overhead(self) -> float:
@@ -285,6 +287,9 @@ class Budget:
       cheap_density: the cost per byte at and above which a storage counts as expensive (a number >= 0).
       alignment: the granularity of every placement, a power of two of at least 16 bytes.
       trace_len: the memory events kept per block (`trace`), an int >= 0.
+      replay: True (default) to let a block that runs the same step as the block before it take that block's
+        eviction decisions instead of searching again (Note [Step replay] in replay.py; the same decisions, bits
+        and stats); False to search at every block.
 
     After a block: `stats` (BudgetStats, plain data), `trace` (its memory events), `snapshot()` (the blocks).
     """
@@ -292,7 +297,7 @@ class Budget:
     def __init__(self, nbytes: int, *, device=None, policy: str = "coop", partition: bool = True,
                  recomputable_inplace: bool = True, alignment: int = ALIGNMENT, cheap_density: float = 4.0,
                  trace_len: int = 10_000, max_overhead: float | None = None, relocate: bool = True,
-                 backend: str = "torch"):
+                 backend: str = "torch", replay: bool = True):
         # numpy and other integer types count as ints (numbers.Integral); bool does not
         nbytes, trace_len, alignment = (_integer(v) for v in (nbytes, trace_len, alignment))
         max_overhead, cheap_density = (float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else v
@@ -307,7 +312,7 @@ class Budget:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; accepted: {', '.join(POLICIES)}")
         for name, v in (("partition", partition), ("recomputable_inplace", recomputable_inplace),
-                        ("relocate", relocate)):
+                        ("relocate", relocate), ("replay", replay)):
             if not isinstance(v, bool):
                 raise ValueError(f"{name} must be True or False, got {v!r}")
         if isinstance(cheap_density, bool):
@@ -325,6 +330,8 @@ class Budget:
         self.device = resolve_device(device)
         self.policy = policy
         self.recomputable_inplace = recomputable_inplace
+        self.replay = replay
+        self._recording = None  # the stream of the last block that ended normally (Note [Step replay])
         self.memory = Memory(nbytes, policy=policy, partition=partition, alignment=alignment,
                              cheap_density=cheap_density, trace_len=trace_len, relocate=relocate)
         try:
@@ -372,6 +379,8 @@ class Budget:
         self._entered = len(entered())
         self.arena.bind_stream()
         self.memory.reset()
+        if self.replay:
+            self.memory.start_replay(self._recording)
         self._bookkeeping = Bookkeeping()
         self._runtime = Runtime(self.memory, self.arena, recomputable_inplace=self.recomputable_inplace,
                                 max_overhead=self.max_overhead, explain=self._explain_thrashing,
@@ -449,6 +458,9 @@ class Budget:
                             f"model.to('meta')), or make the Budget with device='{rt.counters.off_arena_device}'",
                             RuntimeWarning, stacklevel=2)
                     self._trace = list(self.memory.trace.events)
+                    recording = self.memory.take_recording()
+                    if recording is not None and exc_type is None:  # (a failed block's stream is no step to follow)
+                        self._recording = recording
                     rt.close()
                     self._bookkeeping.settle = None
                     self.memory.reset()
@@ -493,7 +505,7 @@ class Budget:
             relocated_bytes=m.relocated_bytes, compactions=m.compactions, exit_rematerializations=c.exit_rematerializations,
             exit_recompute_cost=c.exit_recompute_cost,
             restores_in_turn=c.restores_in_turn, dropped=c.dropped, placed_bytes=c.placed_bytes, temporary_bytes=c.temporary_bytes,
-            temporary_peak=c.temporary_peak)
+            temporary_peak=c.temporary_peak, replayed_ops=c.replayed_ops)
 
     # ----------------------------------------------------------------------------------------- observability
     @property

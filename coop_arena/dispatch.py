@@ -249,12 +249,14 @@ class Dispatch:
             mine = {s.sid: s for s in owner.values()}
             engines = not mine and self.bookkeeping is not None and self.bookkeeping.active()  # See bookkeeping.py
             if not mine and (engines or self._off_arena(leaves, kwargs)):
+                memory.note_op(func, ())
                 if not engines:
                     self._count_off_arena(leaves)
                 written = [v for _, value in self._written(call, args, kwargs)
                            for v in (value if isinstance(value, (list, tuple)) else [value]) if v is not None]
                 return run_outside(self, func, args, kwargs, written)
             call.inputs = inputs = [mine[sid] for sid in sorted(mine)] if len(mine) > 1 else list(mine.values())
+            memory.note_op(func, inputs)  # Note [Step replay]
             if op.returns_alias and not op.written and all(s.state is State.RESIDENT for s in inputs):
                 pass  # a view places nothing, so nothing is evicted while it runs: no pins (they matter to plans only)
             else:
@@ -333,8 +335,11 @@ class Dispatch:
             raise
 
     def _account(self, cost: float) -> None:
-        self.counters.ops += 1
-        self.counters.compute_cost += cost
+        c = self.counters
+        c.ops += 1
+        c.compute_cost += cost
+        if self.memory.following:  # every decision for it so far was the recorded block's (Note [Step replay])
+            c.replayed_ops += 1
         self.memory.advance(cost)
 
     # ---------------------------------------------------------------------------------------- functional

@@ -54,8 +54,9 @@ from .blocks import FREE as _FREE_OWNER
 from .blocks import ALIGNMENT, BlockTable
 from .errors import OutOfBudget, _internal_assert
 from .policy import BLOCKED, EVICTABLE, FREE, POLICIES
+from .replay import Applied, Recording, Replay
 from .storage import State, Storage, add_input, dependents, recompute_cost
-from .telemetry import MemoryStats, Trace
+from .telemetry import Event, MemoryStats, Trace, _event
 
 
 def _check_nbytes(nbytes, what: str = "nbytes") -> int:
@@ -134,6 +135,61 @@ class Memory:
         self.clock = 0.0
         self.stats = MemoryStats(budget=self.table.usable)
         self.trace = Trace(self.trace_len)
+        self._replay: Replay | None = None  # Note [Step replay]: this block's recording, and what it follows
+        self._following = False             # while it follows, the decision state (columns, stale costs) waits
+
+    def start_replay(self, follow: Recording | None) -> None:
+        """Record this block's stream, following `follow` (the recording of an earlier block) while it matches
+        (Note [Step replay] in replay.py)."""
+        self._replay = Replay(follow)
+        self._following = follow is not None
+
+    def take_recording(self) -> Recording | None:
+        """The block's recording (None without start_replay): for the next block to follow."""
+        return self._replay.take() if self._replay is not None else None
+
+    def note_op(self, func, inputs) -> None:
+        """An op of the program reads `inputs` (storages) now: part of the stream Note [Step replay] compares."""
+        r = self._replay
+        if r is not None and not r.add(("op", id(func), tuple([s.sid for s in inputs]), self.clock)):
+            self._resync()
+
+    @property
+    def following(self) -> bool:
+        """Whether the block still follows a recording (Note [Step replay])."""
+        return self._following
+
+    def _fact(self, *entry) -> None:
+        """A change of the records that no memory event shows, for Note [Step replay]'s stream."""
+        r = self._replay
+        if r is not None and not r.add(entry):
+            self._resync()
+
+    def _event(self, kind: str, sid: int, offset: int, nbytes: int) -> None:
+        e = _event(Event, (kind, sid, offset, nbytes, self.clock))
+        self.trace.events.append(e)
+        r = self._replay
+        if r is not None and not r.add(e):
+            self._resync()
+
+    def _resync(self) -> None:
+        """The block stopped following (Note [Step replay]): the decision state is rebuilt from the records."""
+        self._following = False
+        kind, last, stale = self._kind, self._last, self._stale
+        for slot, s in enumerate(self._slots):
+            if s is None:
+                kind[slot + 1] = FREE
+                continue
+            kind[slot + 1] = BLOCKED if (s.pins or not s.evictable) else EVICTABLE
+            last[slot + 1] = s.last_access
+            stale[s.sid] = s
+        self._walked.clear()
+
+    def _stop_following(self) -> None:
+        """Before anything reads the policy's columns: the decision state must be whole again."""
+        if self._following:
+            self._replay.stop()
+            self._resync()
 
     @property
     def budget(self) -> int:
@@ -161,7 +217,9 @@ class Memory:
         for parent in s.inputs:
             parent.consumers.append(weakref.ref(s))
         self.stats.allocations += 1
-        self.trace.add("alloc", s.sid, s.offset, nbytes, self.clock)
+        self._event("alloc", s.sid, s.offset, nbytes)
+        if not s.evictable:
+            self._fact("unevictable", s.sid)
         return s
 
     def restore(self, s: Storage, *, pinned: bool = False, op: str | None = None) -> int:
@@ -170,9 +228,10 @@ class Memory:
         if s.state is not State.EVICTED:
             raise ValueError(f"storage {s.sid} is {s.state.value}; only an evicted storage can be restored")
         self._place(s, op, pinned)
-        self._mark_dependents(s)
         self.stats.restores += 1
-        self.trace.add("restore", s.sid, s.offset, s.nbytes, self.clock)
+        self._event("restore", s.sid, s.offset, s.nbytes)
+        if not self._following:
+            self._mark_dependents(s)
         return s.offset
 
     def evict(self, s: Storage) -> None:
@@ -196,16 +255,16 @@ class Memory:
         was = s.state
         if was is State.RESIDENT:
             self._release(s)
-        else:
-            self._mark_dependents(s)
         s.state = State.FREED
-        self.trace.add("free", s.sid, -1, s.nbytes, self.clock)
+        self._event("free", s.sid, -1, s.nbytes)
+        if was is not State.RESIDENT and not self._following:
+            self._mark_dependents(s)
 
     def pin(self, s: Storage) -> None:
         if not self._holds(s):
             self._check_mine(s)
             raise ValueError(f"storage {s.sid} is {s.state.value}; only a resident storage can be pinned")
-        if not s.pins:
+        if not s.pins and not self._following:
             self._kind[s.slot + 1] = BLOCKED
         s.pins += 1
 
@@ -214,7 +273,7 @@ class Memory:
             self._check_mine(s)
             raise ValueError(f"storage {s.sid} is not pinned; unpin must match an earlier pin")
         s.pins -= 1
-        if s.pins == 0 and s.state is State.RESIDENT:
+        if s.pins == 0 and s.state is State.RESIDENT and not self._following:
             self._kind[s.slot + 1] = EVICTABLE if s.evictable else BLOCKED
 
     def fix(self, s: Storage) -> None:
@@ -223,6 +282,7 @@ class Memory:
         if not s.pins:
             raise ValueError(f"storage {s.sid} is not pinned; pin it before fixing its address")
         self._fixed[s.sid] = self._fixed.get(s.sid, 0) + 1
+        self._fact("fix", s.sid)
 
     def unfix(self, s: Storage) -> None:
         n = self._fixed.get(s.sid, 0)
@@ -232,11 +292,12 @@ class Memory:
             del self._fixed[s.sid]
         else:
             self._fixed[s.sid] = n - 1
+        self._fact("unfix", s.sid)
 
     def touch(self, s: Storage) -> None:
         if type(s) is not Storage or s.state is State.RESIDENT and not self._holds(s):
             self._check_mine(s)
-        if s.state is State.RESIDENT:
+        if s.state is State.RESIDENT and not self._following:
             self._last[s.slot + 1] = self.clock
         s.last_access = self.clock
 
@@ -255,9 +316,14 @@ class Memory:
         if s.state is State.FREED:
             raise ValueError(f"storage {s.sid} is freed; a freed storage is never replayed")
         s.cost += _check_cost(cost)
+        added = []
         for b in inputs:
             if b is not s and not any(b is x for x in s.inputs):
                 add_input(s, b)
+                added.append(b.sid)
+        self._fact("extend", s.sid, s.cost, tuple(added))
+        if self._following:
+            return
         if s.state is State.RESIDENT:
             self._stale[s.sid] = s
         else:
@@ -266,7 +332,8 @@ class Memory:
     def make_unevictable(self, s: Storage) -> None:
         self._check_mine(s)
         s.evictable = False
-        if s.state is State.RESIDENT:
+        self._fact("unevictable", s.sid)
+        if s.state is State.RESIDENT and not self._following:
             self._kind[s.slot + 1] = BLOCKED
 
     def advance(self, cost: float) -> None:
@@ -308,6 +375,7 @@ class Memory:
             raise ValueError(f"storage {s.sid} does not belong to this Memory")
 
     def _columns(self):
+        self._stop_following()
         own = self.table.owners
         return self.table.offsets, self.table.sizes, self._kind[own], self._c[own], self._last[own]
 
@@ -325,6 +393,7 @@ class Memory:
             self._stale[d.sid] = d
 
     def _plan(self, need: int) -> _policy.EvictionPlan | None:
+        self._stop_following()
         self._refresh_costs()
         if self.policy == "coop":
             # coop reads c/s only: computed per slot, then gathered once (the same values as computing it on the
@@ -339,6 +408,9 @@ class Memory:
         table = self.table
         need = table.round_up(s.nbytes)
         at = table.best_fit_aligned(need)
+        if at is None and self._following:  # Note [Step replay]: what the recorded block applied here
+            applied = self._replay.recorded_plan()
+            at = self._apply_recorded(applied, need) if applied is not None else None
         if at is None:
             t0 = time.perf_counter()
             plan = self._plan(need)
@@ -356,7 +428,7 @@ class Memory:
                     slide = plan is not None
             dt = time.perf_counter() - t0
             if plan is None:
-                self.trace.add("out_of_budget", s.sid, -1, s.nbytes, self.clock)
+                self._event("out_of_budget", s.sid, -1, s.nbytes)
                 _, sizes, kind, _, _ = self._columns()
                 blocked = sizes[kind == BLOCKED]  # pinned for the op in progress, or unevictable
                 held = np.array([self._slots[o - 1].pins > 0 for o in table.owners[kind == BLOCKED].tolist()], bool)
@@ -371,11 +443,13 @@ class Memory:
         self._slots[slot] = s
         if pinned:
             s.pins += 1
-        row = slot + 1
-        self._kind[row] = BLOCKED if (s.pins or not s.evictable) else EVICTABLE
-        self._c[row] = recompute_cost(s)
-        self._stale[s.sid] = s  # later changes before the next plan may not walk to it (storage.dependents)
-        self._last[row] = s.last_access = self.clock
+        s.last_access = self.clock
+        if not self._following:
+            row = slot + 1
+            self._kind[row] = BLOCKED if (s.pins or not s.evictable) else EVICTABLE
+            self._stale[s.sid] = s  # its c column is computed before the next plan (_refresh_costs), when later
+            # changes may have changed it again (and may not walk to it: storage.dependents)
+            self._last[row] = self.clock
         if table.used_bytes > self.stats.peak_bytes:
             self.stats.peak_bytes = table.used_bytes
 
@@ -393,6 +467,7 @@ class Memory:
     # Limitations: only when the plain plan fails, only for coop, and only while the runtime holds no raw view
     #   of a resident storage (`may_relocate`). Copies count in the runtime's overhead as 2 x bytes.
     def _relocation_plan(self, need: int, attempts: int = 8):
+        self._stop_following()
         self._refresh_costs()
         table = self.table
         kind, h, copy = self._prices()
@@ -430,6 +505,7 @@ class Memory:
     def _prices(self):
         """Per block in address order: its kind, its eviction price c/s and the price of copying it, 2 x bytes / s
         (s = staleness; the units of c/s, Note [Relocation]). Costs must be up to date (_refresh_costs)."""
+        self._stop_following()
         own = self.table.owners
         k = len(self._slots) + 1
         h = _policy.heuristic(self._c[:k], self._last[:k], self.clock)[own]
@@ -642,7 +718,7 @@ class Memory:
         s.offset = new
         self.stats.relocations += 1
         self.stats.relocated_bytes += self.table.round_up(s.nbytes)
-        self.trace.add("move", s.sid, new, s.nbytes, self.clock)
+        self._event("move", s.sid, new, s.nbytes)
 
     def _apply(self, plan: _policy.EvictionPlan, need: int, search_seconds: float, moves=(), slide=False) -> int:
         """Relocate (or, for a compaction, slide) the planned blocks and evict the plan's victims; returns the
@@ -662,6 +738,10 @@ class Memory:
         st.search_seconds_max = max(st.search_seconds_max, search_seconds)
         st.evictions += len(victims)
         st.evicted_bytes += evicted
+        if self._replay is not None:  # (moves by address, before any moved: Note [Step replay])
+            self._replay.note_applied(Applied(tuple(int(off[i]) for i in plan.victims), plan.start,
+                                              tuple((m.offset, dest) for m, dest in moves), slide, evicted,
+                                              evicted - useful))
         for v in victims:  # first: some relocation destinations are ranges of victims outside the window
             if not (v is not None and v.pins == 0 and v.evictable):
                 _internal_assert(False, f"{plan} picked an unevictable block")
@@ -673,6 +753,43 @@ class Memory:
         o, size, owner = table.block_at(plan.start)
         _internal_assert(owner == _FREE_OWNER and o + size >= plan.end and size >= need,
                          f"after applying {plan}, block {o}+{size} (owner {owner}) does not cover the range")
+        return o
+
+    def _apply_recorded(self, a: Applied, need: int) -> int | None:
+        """Apply again what the recorded block applied at this point (Note [Step replay]), as `_apply` did; returns
+        the offset of the free block that covers the planned range, or None, with nothing changed, when a victim
+        or a moved block is not there as recorded (resident, unpinned, evictable; moves allowed now)."""
+        table, slots = self.table, self._slots
+        victims, moves = [], []
+        for off in a.victims:
+            o, _, owner = table.block_at(off)
+            v = slots[owner - 1] if owner != _FREE_OWNER and o == off else None
+            if v is None or v.pins or not v.evictable:
+                return None
+            victims.append(v)
+        if a.moves and not (self.relocate and self.may_relocate and self.mover is not None):
+            return None
+        for src, dest in a.moves:
+            o, _, owner = table.block_at(src)
+            if owner == _FREE_OWNER or o != src:
+                return None
+            moves.append((slots[owner - 1], dest))
+        st = self.stats
+        st.eviction_events += 1
+        st.excess_bytes += a.excess
+        st.fragmentation_sum += table.free_bytes / table.usable
+        st.evictions += len(victims)
+        st.evicted_bytes += a.evicted
+        for v in victims:
+            self._evict(v)
+        if a.slide:
+            self._slide(moves)
+        elif moves:
+            self._relocate(moves)
+        o, size, owner = table.block_at(a.start)
+        _internal_assert(owner == _FREE_OWNER and size >= need,
+                         f"after applying the recorded plan at {a.start}, block {o}+{size} (owner {owner}) does not "
+                         f"hold {need} bytes")
         return o
 
     def _new_slot(self) -> int:
@@ -688,14 +805,16 @@ class Memory:
         self.table.release(s.offset)
         self._slots[s.slot] = None
         self._free_slots.append(s.slot)
-        self._kind[s.slot + 1] = FREE
+        if not self._following:
+            self._kind[s.slot + 1] = FREE
         s.offset = s.slot = -1
 
     def _evict(self, s: Storage) -> None:
         self._release(s)
         s.state = State.EVICTED
-        self.trace.add("evict", s.sid, -1, s.nbytes, self.clock)
-        self._mark_dependents(s)
+        self._event("evict", s.sid, -1, s.nbytes)
+        if not self._following:
+            self._mark_dependents(s)
 
     # ----------------------------------------------------------------------------------------- observability
     def snapshot(self) -> list[dict]:
@@ -712,14 +831,18 @@ class Memory:
         return out
 
     def check_invariants(self) -> None:
+        """The table's invariants, the records against the table, and (unless a block is following a recording,
+        Note [Step replay], when they wait) the policy's columns against the records."""
         table = self.table
         table.check_invariants()
         _internal_assert(self._kind[0] == FREE and self._c[0] == 0, "row 0 of the columns is not the FREE sentinel")
         owners = table.owners
+        columns = not self._following
         live = 0
         for slot, s in enumerate(self._slots):
             if s is None:
-                _internal_assert(self._kind[slot + 1] == FREE, f"empty slot {slot} has kind {self._kind[slot + 1]}")
+                _internal_assert(not columns or self._kind[slot + 1] == FREE,
+                                 f"empty slot {slot} has kind {self._kind[slot + 1]}")
                 continue
             live += 1
             _internal_assert(s.state is State.RESIDENT and s.slot == slot,
@@ -729,12 +852,14 @@ class Memory:
                                                           f"storage {s.sid} claims it (slot {slot})")
             _internal_assert(int(table.sizes[i]) == table.round_up(s.nbytes),
                              f"storage {s.sid} needs {table.round_up(s.nbytes)} bytes, its block has {table.sizes[i]}")
+            _internal_assert(s.pins >= 0, f"storage {s.sid} has {s.pins} pins")
+            if not columns:
+                continue
             want = BLOCKED if (s.pins or not s.evictable) else EVICTABLE
             _internal_assert(self._kind[slot + 1] == want, f"storage {s.sid}: kind column {self._kind[slot + 1]}, "
                                                             f"record says {want}")
             _internal_assert(self._last[slot + 1] == s.last_access,
                              f"storage {s.sid}: last column {self._last[slot + 1]}, record {s.last_access}")
-            _internal_assert(s.pins >= 0, f"storage {s.sid} has {s.pins} pins")
             if s.sid not in self._stale:
                 c = recompute_cost(s)
                 _internal_assert(self._c[slot + 1] == c, f"storage {s.sid}: c column {self._c[slot + 1]}, "

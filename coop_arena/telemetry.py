@@ -63,6 +63,7 @@ class RuntimeCounters:
     placed_bytes: int = 0           # output bytes written into the arena, replays included
     temporary_bytes: int = 0        # of those, bytes computed into a temporary first and copied in
     temporary_peak: int = 0         # largest sum of one op's temporaries (alive at once, outside the arena)
+    replayed_ops: int = 0           # of `ops`, those run while the block followed a recording (Note [Step replay])
     off_arena: int = 0              # ops that read only tensors on another device and ran there (dispatch)
     off_arena_device: str = ""     # the device of the first of them
 
