@@ -43,6 +43,7 @@ import torch
 from .errors import BudgetUsageError, _internal_assert
 
 DEVICES = ("cpu", "cuda", "meta")
+SHARED_MAX = 1 << 14  # Arena.shared views kept (a step's outputs at their offsets); it starts over when full
 BACKENDS = ("torch", "cupy")  # who allocates the buffer (cupy: CuPy, shared with torch through DLPack)
 
 
@@ -138,6 +139,7 @@ class Arena:
         self.buffer, self._owner = make(nbytes, device)  # _owner: CuPy's array, alive as long as the arena
         self._usable = self.buffer[:usable]
         self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self._shared: dict[tuple, torch.Tensor] = {}  # `shared` views by their arguments
         self.key = self.buffer.untyped_storage()._cdata  # identity of the arena's storage (works on meta too)
         self._move = None if device.type == "meta" else self._pick_mover(copy_kernel)
         self.stream = None  # raw id of the stream of the block in progress (Note [Streams])
@@ -152,6 +154,20 @@ class Arena:
         if typed is None:
             typed = self._typed[dtype] = self._usable.view(dtype)
         return typed.as_strided(size, stride, byte_offset // typed.element_size() + storage_offset)
+
+    def shared(self, byte_offset: int, dtype: torch.dtype, size: tuple, stride: tuple,
+               storage_offset: int) -> torch.Tensor:
+        """`view` made once per set of arguments and shared by every caller: a training step places the same
+        outputs at the same offsets at every step, so the engine's own views (an op's inputs and out= outputs)
+        come from here. A shared view is never changed (its metadata, bits or requires_grad) nor handed out:
+        callers that may change theirs, and views for the user, take `view`. `size` and `stride` are tuples."""
+        key = (byte_offset, dtype, size, stride, storage_offset)
+        v = self._shared.get(key)
+        if v is None:
+            if len(self._shared) >= SHARED_MAX:
+                self._shared.clear()
+            v = self._shared[key] = self.view(byte_offset, dtype, size, stride, storage_offset)
+        return v
 
     def bytes(self, byte_offset: int, nbytes: int) -> torch.Tensor:
         return self.buffer[byte_offset : byte_offset + nbytes]

@@ -267,7 +267,7 @@ class Dispatch:
                 self._bind(call, owner, fresh=True)
                 return self._run_write(call)
             if op.returns_alias:
-                self._bind(call, owner)
+                self._bind(call, owner, record=False)  # (a view records no recipe)
                 return self._run_view(call)
             return self._run_functional(call, owner)
         finally:
@@ -276,17 +276,21 @@ class Dispatch:
             if lifetime.dead:
                 lifetime.drain()
 
-    def _bind(self, call: _Call, owner: dict, fresh: bool = False) -> None:
-        """Plain tensors for the op to run on (arena views of its inputs) and the arguments its recipe records.
-        From here until the op has run, the inputs' views are live: nothing may move (Note [Relocation]). `fresh`:
-        new views, for an op that writes its arguments (Note [Views kept] in tensor.py)."""
+    def _bind(self, call: _Call, owner: dict, fresh: bool = False, record: bool = True) -> None:
+        """Plain tensors for the op to run on (arena views of its inputs) and, unless not `record`, the arguments
+        its recipe records. From here until the op has run, the inputs' views are live: nothing may move (Note
+        [Relocation]). `fresh`: new views, for an op that writes its arguments (Note [Views kept] in tensor.py)."""
         self.memory.may_relocate = False
         leaves = call.leaves
-        plain, recorded = list(leaves), list(leaves)
+        plain = list(leaves)
+        recorded = list(leaves) if record else None
         call.external = False  # whether it reads a tensor from outside the arena (Dispatch._externals)
         for i, x in enumerate(leaves):
             if i in owner:
-                plain[i], recorded[i] = self.arena_arg(x, owner[i], fresh)
+                if record:
+                    plain[i], recorded[i] = self.arena_arg(x, owner[i], fresh)
+                else:
+                    plain[i] = self.arena_view(x, owner[i])
             elif isinstance(x, torch.Tensor):  # See Rule 1: read, never moved
                 if isinstance(x, Tensor):
                     x._check_thread(call.func)  # another Budget's block, running on another thread
@@ -299,7 +303,9 @@ class Dispatch:
                     raise BudgetUsageError(
                         f"{call.func} got a tensor on {p.device}, but this Budget's arena is on {self.device}; "
                         f"move the model and its inputs to {self.device} before entering the Budget")
-                plain[i] = recorded[i] = p
+                plain[i] = p
+                if record:
+                    recorded[i] = p
                 call.external = True
                 self.lifetime.watch_leaf(x)
         call.plain, call.recorded = plain, recorded
@@ -552,7 +558,7 @@ class Dispatch:
             externals, key, written = self._externals(call, plan)
             probe = self._before_hidden_writes(externals, written)
             guard = plan.out_op is not None and not plan.checked and self.device.type != "meta"
-            views = [(self._fixed_view if guard else self.arena.view)(s.offset, o.dtype, o.size, o.stride, 0)
+            views = [(self._fixed_view if guard else self.arena.shared)(s.offset, o.dtype, o.size, o.stride, 0)
                      if s is not None else torch.empty(o.size, dtype=o.dtype, device=self.device)
                      for s, o in zip(placed, plan.outputs)]
             rng = capture_rng(self.device, call.op, call.pargs, call.pkwargs)
@@ -686,7 +692,7 @@ class Dispatch:
         s.payload = Data(self.runtime, dead_ref, recipe if evictable else None, index)
         if not evictable:
             self.counters.count_unevictable(self.memory.table.round_up(s.nbytes), +1)
-        view = self.arena.view(s.offset, o.dtype, size, stride, 0)
+        view = self.arena.shared(s.offset, o.dtype, size, stride, 0)
         if self.device.type != "meta":
             view.copy_(o)
         return self.lifetime.wrap(s, o.dtype, size, stride, 0, view=view)
@@ -972,6 +978,14 @@ class Dispatch:
                         f"wrapper's memory, none. Its bytes are gone; convert or reassign parameters outside the block")
         return owner
 
+    def arena_view(self, x, s: Storage):
+        """The plain view of the arena for argument `x`, which lies in storage `s` (arena_arg without the ArgRef)."""
+        if isinstance(x, Tensor):
+            view = x._kept
+            if view is not None and x._kept_at == s.offset:
+                return view
+        return self.arena_arg(x, s)[0]
+
     def arena_arg(self, x, s: Storage, fresh: bool = False):
         """(plain view of the arena, ArgRef) for argument `x`, which lies in storage `s`. A wrapper's kept view is
         used unless `fresh` (Note [Views kept] in tensor.py)."""
@@ -983,7 +997,10 @@ class Dispatch:
             dtype, size, stride, offset, conj, neg = meta
             view = x._kept
             if fresh or view is None or x._kept_at != s.offset:
-                view = with_bits(self.arena.view(s.offset, dtype, size, stride, offset), conj, neg)
+                if fresh or conj or neg:
+                    view = with_bits(self.arena.view(s.offset, dtype, size, stride, offset), conj, neg)
+                else:
+                    view = self.arena.shared(s.offset, dtype, size, stride, offset)
                 if not fresh:
                     x._kept, x._kept_at = view, s.offset
             return view, ArgRef(s, s.payload.version, dtype, size, stride, offset, conj, neg)

@@ -16,8 +16,10 @@ Approach: a wrapper keeps the metadata it was made with (`_meta`) and the plain 
   lies at that offset; a storage restored or moved elsewhere gets a new view at the next op. Whatever changes a
   wrapper's metadata or storage in place (an in-place view op, an out= kernel that resizes its output, `t.data =`,
   the copy-out at the block's end) forgets both. A written argument always gets a fresh view (a kernel such as
-  `resize_` may change the view it is given).
-Limitations: a wrapper holds one plain tensor more while its block runs.
+  `resize_` may change the view it is given). The views themselves come from `Arena.shared`, one per offset and
+  layout: a training step places the same outputs at the same offsets at every step, so later steps make almost
+  none.
+Limitations: a wrapper holds one plain tensor more while its block runs, and the arena up to SHARED_MAX views.
 
 Note [Escaped tensors]
 Rationale: a wrapper that outlives its block (`loss`, logits, a kept activation) is the user's tensor: it must work
