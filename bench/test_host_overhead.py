@@ -8,7 +8,8 @@ tiny tensors so that the op's own work is negligible. Side by side in one run; t
     .venv/bin/python bench/report.py host_overhead bench/results/host_overhead.json > bench/results/host_overhead.md
 
 "first" is the first block of a new Budget, "later" the next blocks of the same Budget (what a training loop
-runs). Targets (issue): ample, first <= 3x the empty mode's us/op; later <= 2x; 60 %, later <= 2.5x.
+runs), replaying the first block's decisions (Note [Step replay]); "search" the same with replay=False. Targets
+(issue): ample, first <= 3x the empty mode's us/op; later <= 2x; 60 %, later <= 2.5x.
 `gpt2_varlen` runs each step at a sequence length not seen before (dynamic padding), with ample memory only (its
 steps grow: a fraction of one step's peak is another fraction of the next).
 """
@@ -178,7 +179,10 @@ def _workload(name):
     return run, counter.n, probe.stats.peak_bytes
 
 
-CONFIGS = ["eager", "empty_mode", "wrap_only", "ample-first", "ample-later", "0.6-first", "0.6-later", "0.5-first", "0.5-later"]
+# "first": the first block of a new Budget; "later": the next blocks of the same Budget, which replay the first's
+# decisions (Note [Step replay]); "search": later blocks of a Budget made with replay=False, side by side
+CONFIGS = ["eager", "empty_mode", "wrap_only", "ample-first", "ample-later", "ample-search", "0.6-first", "0.6-later",
+           "0.6-search", "0.5-first", "0.5-later", "0.5-search"]
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -208,10 +212,13 @@ def test_host_time_per_op(benchmark, name, config):
             return (budgets[-1],), {}
         benchmark.pedantic(run, setup=setup, rounds=5)
     else:
-        budgets.append(coop_arena.Budget(nbytes, device="cpu"))
+        budgets.append(coop_arena.Budget(nbytes, device="cpu", replay=when == "later"))
         benchmark.pedantic(run, args=(budgets[0],), rounds=5, warmup_rounds=1)
     st = budgets[-1].stats
     benchmark.extra_info.update(evictions=st.evictions, rematerializations=st.rematerializations,
-                                compute_overhead=st.compute_overhead)
+                                compute_overhead=st.compute_overhead, replayed_ops=st.replayed_ops,
+                                budget_ops=st.ops)
     if ratio != "ample":
         assert st.evictions > 0
+    if when == "later" and name != "gpt2_varlen":
+        assert st.replayed_ops == st.ops  # the step repeats: every op's decisions came from the block before

@@ -409,6 +409,38 @@ def test_compiled_module_inside_a_budget_warns_once():
         torch._dynamo.reset()
 
 
+def test_a_compiled_function_inside_a_budget_compiles_none_of_the_engine():
+    """The Budget's mode turns Dynamo's frame evaluation off around each op itself (Note [Dynamo off in the mode]
+    in budget.py): a compiled function called inside a block runs eagerly, and no frame of the engine, which runs
+    while the mode is off the stack, is handed to a compiler."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    @torch.compile(backend=backend)
+    def f(x):
+        return torch.tanh(x @ x.T).sum()
+
+    x = torch.randn(8, 8, requires_grad=True)
+    expected = f(x)
+    compiled_outside = len(graphs)
+    assert compiled_outside >= 1
+    budget = coop_arena.Budget(1 << 20, device="cpu")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with budget:
+                y = f(x)
+                y.backward()
+        assert len(graphs) == compiled_outside, [g.code for g in graphs[compiled_outside:]]
+        assert torch.equal(y.as_plain(), expected.detach())
+        assert budget.stats.ops > 0
+    finally:
+        torch._dynamo.reset()
+
+
 def test_autocast_in_a_dry_run_warns_that_the_plan_is_for_the_step_without_it():
     """Meta tensors have no autocast dispatch key: under torch.autocast a dry run computes in float32 where the
     device would use bfloat16, so its plan overestimates. It says so, once per Budget; a CPU Budget is silent."""
