@@ -126,7 +126,8 @@ def _alive(budget) -> dict:
     """What is left after a block: live wrappers, and plain tensors over the arena's bytes (its own aside)."""
     gc.collect()
     arena = budget.arena
-    own = {id(arena.buffer), id(arena._usable), *map(id, arena._typed.values())}
+    # the arena's own: its buffer, its typed views and the engine's shared views (Arena.shared, never handed out)
+    own = {id(arena.buffer), id(arena._usable), *map(id, arena._typed.values()), *map(id, arena._shared.values())}
     wrappers = views = 0
     for o in gc.get_objects():
         if type(o) is coop_arena.Tensor:
