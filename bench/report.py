@@ -68,7 +68,6 @@ def host_overhead(path: str) -> str:
     """us of host CPU time per dispatched aten op and each ratio to the empty mode's: one table with the minimum
     over rounds, one with the mean (the minimum skips the rounds in which Python's cycle collector ran)."""
     data = json.load(open(path))
-    data = json.load(open(path))
     seen = {b["extra_info"]["config"] for b in data["benchmarks"]}
     configs = [c for c in ("eager", "empty_mode", "wrap_only", "ample-first", "ample-later", "ample-search", "0.6-first",
                            "0.6-later", "0.6-search", "0.5-first", "0.5-later", "0.5-search") if c in seen]
