@@ -46,6 +46,7 @@ from __future__ import annotations
 import math
 import time
 import weakref
+from typing import NoReturn
 
 import numpy as np
 
@@ -54,7 +55,7 @@ from .blocks import FREE as _FREE_OWNER
 from .blocks import ALIGNMENT, BlockTable
 from .errors import OutOfBudget, _internal_assert
 from .policy import BLOCKED, EVICTABLE, FREE, POLICIES
-from .replay import Applied, Recording, Replay
+from .replay import FAILED, Applied, Recording, Replay
 from .storage import State, Storage, add_input, dependents, recompute_cost
 from .telemetry import Event, MemoryStats, Trace, _event
 
@@ -410,6 +411,8 @@ class Memory:
         at = table.best_fit_aligned(need)
         if at is None and self._following:  # Note [Step replay]: what the recorded block applied here
             applied = self._replay.recorded_plan()
+            if applied is not None and applied.failed:
+                self._out_of_budget(s, op, need)  # the same state found no plan then: it finds none now
             at = self._apply_recorded(applied, need) if applied is not None else None
         if at is None:
             t0 = time.perf_counter()
@@ -428,13 +431,9 @@ class Memory:
                     slide = plan is not None
             dt = time.perf_counter() - t0
             if plan is None:
-                self._event("out_of_budget", s.sid, -1, s.nbytes)
-                _, sizes, kind, _, _ = self._columns()
-                blocked = sizes[kind == BLOCKED]  # pinned for the op in progress, or unevictable
-                held = np.array([self._slots[o - 1].pins > 0 for o in table.owners[kind == BLOCKED].tolist()], bool)
-                raise OutOfBudget(s.nbytes, table.usable, int(blocked[~held].sum()),
-                                  _policy.largest_window(sizes, kind), op, pinned=int(blocked[held].sum()),
-                                  restore=s.sid < self._next_sid, need=need)  # a restored storage already has its id
+                if self._replay is not None:
+                    self._replay.note_applied(FAILED)
+                self._out_of_budget(s, op, need)
             at = self._apply(plan, need, dt, moves, slide)
         slot = self._free_slots.pop() if self._free_slots else self._new_slot()
         s.offset = table.place(at, need, slot + 1, high=self.partition and not s.expensive, aligned=True)
@@ -719,6 +718,25 @@ class Memory:
         self.stats.relocations += 1
         self.stats.relocated_bytes += self.table.round_up(s.nbytes)
         self._event("move", s.sid, new, s.nbytes)
+
+    def _out_of_budget(self, s: Storage, op: str | None, need: int) -> NoReturn:
+        """No plan serves `need`: the out_of_budget event, then OutOfBudget saying what blocked the request. The
+        block kinds are read from the records, not from the policy's columns (which would stop the following):
+        a block that follows its recording fails where the recorded block failed and goes on following."""
+        table, slots = self.table, self._slots
+        self._event("out_of_budget", s.sid, -1, s.nbytes)
+        owners = table.owners.tolist()
+        kind = np.full(len(owners), FREE, np.int8)
+        held = np.zeros(len(owners), bool)  # pinned for the op in progress
+        for i, o in enumerate(owners):
+            if o != _FREE_OWNER:
+                v = slots[o - 1]
+                kind[i] = BLOCKED if (v.pins or not v.evictable) else EVICTABLE
+                held[i] = v.pins > 0
+        sizes, blocked = table.sizes, kind == BLOCKED
+        raise OutOfBudget(s.nbytes, table.usable, int(sizes[blocked & ~held].sum()),
+                          _policy.largest_window(sizes, kind), op, pinned=int(sizes[blocked & held].sum()),
+                          restore=s.sid < self._next_sid, need=need)  # a restored storage already has its id
 
     def _apply(self, plan: _policy.EvictionPlan, need: int, search_seconds: float, moves=(), slide=False) -> int:
         """Relocate (or, for a compaction, slide) the planned blocks and evict the plan's victims; returns the

@@ -12,7 +12,8 @@ Approach:
     and clock), and the changes of the records that no event shows (a storage made unevictable, a write that adds
     cost and inputs to one, an address fixed by `pinned()`), in order; and for each placement that needed
     eviction, what was applied there: the victims' offsets, the blocks moved or slid and where to, the stats
-    it added.
+    it added, or that no plan was found (FAILED: the placement raised OutOfBudget, which a restore's fallback
+    can catch and go on from, so the block goes on too).
   - The next block follows the recording of the last block that ended normally. Each entry of its stream is
     compared with the recording's next one. While all have been equal, the memory is in the state the recorded
     block was in at that point (the same records, table and clock: sids and the clock start from 0 in every
@@ -56,6 +57,14 @@ class Applied:
         self.slide = slide      # a compaction (Note [Compaction] in memory.py): the moves are slides
         self.evicted = evicted  # the stats it added: evicted bytes,
         self.excess = excess    # and bytes evicted beyond the request's need
+
+    @property
+    def failed(self) -> bool:
+        """The placement found no plan (it raised OutOfBudget, which a restore's fallback may have caught)."""
+        return self.start < 0
+
+
+FAILED = Applied((), -1, (), False, 0, 0)  # what a placement that found no plan applied
 
 
 class Recording:

@@ -1,4 +1,6 @@
-"""Training under a Budget gives bitwise the same parameters as plain PyTorch, at every budget and policy."""
+"""Training under a Budget gives bitwise the same parameters as plain PyTorch, at every budget and policy, with
+step replay on and off (Note [Step replay] in coop_arena/replay.py: with it on, the steps after the first follow
+the first one's decisions)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from training import bitwise_equal, state, train
 
 MODELS = ["mlp", "cnn", "gpt", "lstm"]
 POLICIES = ["coop", "dtr", "dte"]
+REPLAY = pytest.mark.parametrize("replay", [True, False], ids=["replay", "no-replay"])
 
 
 @functools.cache
@@ -46,6 +49,8 @@ def smallest_budget(name, policy) -> int:
 
 
 def run_and_check(name, budget):
+    """Train `name` under `budget` (3 steps), checking invariants, occupancy, peak and bits; the stats per step. With
+    replay on, the steps after the first must have followed the first's decisions whole."""
     def inside(b):
         b.check_invariants()
 
@@ -57,38 +62,48 @@ def run_and_check(name, budget):
     runs = []
     model = train(name, budget, inside=inside, check=after)
     assert bitwise_equal(reference(name), state(model)), f"{name} under {budget} differs from plain PyTorch"
+    first, *later = runs
+    assert first.replayed_ops == 0
+    replayed = [st.ops if budget.replay else 0 for st in later]
+    assert [st.replayed_ops for st in later] == replayed, ([st.replayed_ops for st in later], replayed)
     return runs
 
 
+@REPLAY
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", MODELS)
-def test_ample_budget_is_exact(name, policy):
-    runs = run_and_check(name, coop_arena.Budget(plain_peak(name), device="cpu", policy=policy))
+def test_ample_budget_is_exact(name, policy, replay):
+    runs = run_and_check(name, coop_arena.Budget(plain_peak(name), device="cpu", policy=policy, replay=replay))
     assert all(r.peak_bytes <= plain_peak(name) for r in runs)
 
 
+@REPLAY
 @pytest.mark.parametrize("fraction", [0.6, 0.4])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", MODELS)
-def test_tight_budget_is_exact(name, policy, fraction):
-    runs = run_and_check(name, coop_arena.Budget(int(fraction * plain_peak(name)), device="cpu", policy=policy))
+def test_tight_budget_is_exact(name, policy, fraction, replay):
+    runs = run_and_check(name, coop_arena.Budget(int(fraction * plain_peak(name)), device="cpu", policy=policy,
+                                                 replay=replay))
     if fraction <= 0.4:
         assert all(r.evictions > 0 and r.rematerializations > 0 for r in runs), runs
 
 
+@REPLAY
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", MODELS)
-def test_smallest_budget_is_exact(name, policy):
+def test_smallest_budget_is_exact(name, policy, replay):
     nbytes = smallest_budget(name, policy)
-    runs = run_and_check(name, coop_arena.Budget(nbytes, device="cpu", policy=policy))
+    runs = run_and_check(name, coop_arena.Budget(nbytes, device="cpu", policy=policy, replay=replay))
     assert all(r.evictions > 0 and r.rematerializations > 0 for r in runs)
     assert nbytes < 0.6 * plain_peak(name)
 
 
+@REPLAY
 @pytest.mark.parametrize("ablation", [dict(partition=False), dict(recomputable_inplace=False)])
 @pytest.mark.parametrize("name", MODELS)
-def test_ablations_are_exact(name, ablation):
-    runs = run_and_check(name, coop_arena.Budget(int(0.6 * plain_peak(name)), device="cpu", **ablation))
+def test_ablations_are_exact(name, ablation, replay):
+    runs = run_and_check(name, coop_arena.Budget(int(0.6 * plain_peak(name)), device="cpu", replay=replay,
+                                                 **ablation))
     assert all(r.evictions > 0 for r in runs)
 
 
@@ -117,9 +132,10 @@ class EvictAll:
         return self.budget.__exit__(*exc)
 
 
+@REPLAY
 @pytest.mark.parametrize("name", MODELS)
-def test_evict_everything_after_every_op_is_exact(name):
-    budget = coop_arena.Budget(1 << 26, device="cpu")
+def test_evict_everything_after_every_op_is_exact(name, replay):
+    budget = coop_arena.Budget(1 << 26, device="cpu", replay=replay)
     model = train(name, EvictAll(budget), steps=2, inside=lambda b: budget.check_invariants())
     assert bitwise_equal(state(train(name, steps=2)), state(model))
     assert budget.stats.rematerializations > 50

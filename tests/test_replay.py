@@ -153,6 +153,30 @@ def test_a_dry_run_repeated_on_meta_is_replayed():
     assert all(UNTIMED(s) == UNTIMED(stats[0]) and s.replayed_ops == s.ops for s in stats[1:])
 
 
+@pytest.mark.parametrize("policy", ["coop", "dtr"])
+def test_placements_that_found_no_plan_are_replayed_too(policy):
+    """At its smallest budget the GPT example's restores sometimes find no plan: the OutOfBudget is caught by the
+    restore's fallback and the step goes on. The recording holds those failures as well, so the later steps follow
+    it to their end (before, they stopped following at the first such placement: 175 of 250 ops for coop)."""
+    from test_exactness import smallest_budget
+    nbytes = smallest_budget("gpt", policy)
+    runs = {}
+    for replay in (True, False):
+        budget = coop_arena.Budget(nbytes, device="cpu", policy=policy, replay=replay, trace_len=10**7)
+        blocks = []
+        model = train("gpt", budget, inside=lambda b: b.check_invariants(),
+                      check=lambda b: blocks.append((b.trace, b.stats)))
+        runs[replay] = blocks, state(model)
+    (replayed, params), (normal, params0) = runs[True], runs[False]
+    assert bitwise_equal(params, params0)
+    for (trace, st), (trace0, st0) in zip(replayed, normal):
+        assert trace == trace0 and UNTIMED(st) == UNTIMED(st0)
+        assert any(e[0] == "out_of_budget" for e in trace)  # failed placements the fallback went on from
+    first, *later = [st for _, st in replayed]
+    assert first.replayed_ops == 0
+    assert all(st.replayed_ops == st.ops for st in later), [(st.replayed_ops, st.ops) for st in later]
+
+
 def test_replay_must_be_a_bool():
     with pytest.raises(ValueError, match="replay must be True or False"):
         coop_arena.Budget(1 << 20, device="cpu", replay="yes")
