@@ -90,6 +90,11 @@ def _take_hole(holes: list, nbytes: int) -> int | None:
     return at
 
 
+def _kind_of(s: Storage) -> int:
+    """A resident storage's kind column, from its record: BLOCKED while pinned or unevictable, else EVICTABLE."""
+    return BLOCKED if (s.pins or not s.evictable) else EVICTABLE
+
+
 class Memory:
     """The bookkeeping of one arena without its bytes: storages placed in a block table of `nbytes`, evicted by
     one policy (plan, then apply), with stats, a trace and `check_invariants()`. A Budget owns one; on its own it
@@ -181,7 +186,7 @@ class Memory:
             if s is None:
                 kind[slot + 1] = FREE
                 continue
-            kind[slot + 1] = BLOCKED if (s.pins or not s.evictable) else EVICTABLE
+            kind[slot + 1] = _kind_of(s)
             last[slot + 1] = s.last_access
             stale[s.sid] = s
         self._walked.clear()
@@ -445,7 +450,7 @@ class Memory:
         s.last_access = self.clock
         if not self._following:
             row = slot + 1
-            self._kind[row] = BLOCKED if (s.pins or not s.evictable) else EVICTABLE
+            self._kind[row] = _kind_of(s)
             self._stale[s.sid] = s  # its c column is computed before the next plan (_refresh_costs), when later
             # changes may have changed it again (and may not walk to it: storage.dependents)
             self._last[row] = self.clock
@@ -731,7 +736,7 @@ class Memory:
         for i, o in enumerate(owners):
             if o != _FREE_OWNER:
                 v = slots[o - 1]
-                kind[i] = BLOCKED if (v.pins or not v.evictable) else EVICTABLE
+                kind[i] = _kind_of(v)
                 held[i] = v.pins > 0
         sizes, blocked = table.sizes, kind == BLOCKED
         raise OutOfBudget(s.nbytes, table.usable, int(sizes[blocked & ~held].sum()),
@@ -873,7 +878,7 @@ class Memory:
             _internal_assert(s.pins >= 0, f"storage {s.sid} has {s.pins} pins")
             if not columns:
                 continue
-            want = BLOCKED if (s.pins or not s.evictable) else EVICTABLE
+            want = _kind_of(s)
             _internal_assert(self._kind[slot + 1] == want, f"storage {s.sid}: kind column {self._kind[slot + 1]}, "
                                                             f"record says {want}")
             _internal_assert(self._last[slot + 1] == s.last_access,

@@ -17,12 +17,13 @@ UNTIMED = lambda st: {k: v for k, v in st.as_dict().items()  # noqa: E731
                       if not k.startswith("search_seconds") and k != "replayed_ops"}
 
 
-def _blocks(name, fraction, policy, replay, steps=3):
-    """Train `name` under a Budget at `fraction` of its peak: (per block: trace, stats), the model."""
+def _blocks(name, fraction, policy, replay, steps=3, nbytes=None):
+    """Train `name` under a Budget at `fraction` of its peak (or of `nbytes`): (per block: trace, stats), the
+    model."""
     peak = coop_arena.Budget(1 << 28, device="cpu")
     train(name, peak, steps=2)  # (and the process's plan caches learn every configuration of the step first)
-    budget = coop_arena.Budget(int(fraction * peak.stats.peak_bytes), device="cpu", policy=policy, replay=replay,
-                               trace_len=10**7)
+    nbytes = int(fraction * (peak.stats.peak_bytes if nbytes is None else nbytes))
+    budget = coop_arena.Budget(nbytes, device="cpu", policy=policy, replay=replay, trace_len=10**7)
     blocks = []
 
     def inside(b):
@@ -160,15 +161,9 @@ def test_placements_that_found_no_plan_are_replayed_too(policy):
     it to their end (before, they stopped following at the first such placement: 175 of 250 ops for coop)."""
     from test_exactness import smallest_budget
     nbytes = smallest_budget("gpt", policy)
-    runs = {}
-    for replay in (True, False):
-        budget = coop_arena.Budget(nbytes, device="cpu", policy=policy, replay=replay, trace_len=10**7)
-        blocks = []
-        model = train("gpt", budget, inside=lambda b: b.check_invariants(),
-                      check=lambda b: blocks.append((b.trace, b.stats)))
-        runs[replay] = blocks, state(model)
-    (replayed, params), (normal, params0) = runs[True], runs[False]
-    assert bitwise_equal(params, params0)
+    replayed, model = _blocks("gpt", 1.0, policy, replay=True, nbytes=nbytes)
+    normal, reference = _blocks("gpt", 1.0, policy, replay=False, nbytes=nbytes)
+    assert bitwise_equal(state(model), state(reference))
     for (trace, st), (trace0, st0) in zip(replayed, normal):
         assert trace == trace0 and UNTIMED(st) == UNTIMED(st0)
         assert any(e[0] == "out_of_budget" for e in trace)  # failed placements the fallback went on from
