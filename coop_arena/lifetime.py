@@ -19,7 +19,8 @@ A storage whose last wrapper died is handled at the next op (never inside one), 
   at 1.35x with the anchor rule and does not fit without it): it stays as it is (resident storages stay resident and evictable), so
   the policy, not its death, decides when it goes; dropping it would lengthen that recompute;
 - otherwise (only resident readers): it is evicted at once and its record kept, so that a later recompute of a
-  reader can rebuild it (DTR's eager eviction).
+  reader can rebuild it (DTR's eager eviction). A later block that follows a recording (Note [Step replay] in
+  replay.py) takes this outcome from it where the recorded block had it, without the walk.
 Rolling forward (coop only, `_roll_forward`): before a resident dead storage is kept for evicted storages that
   wrappers use, those are restored, when together they are no larger than it; it is then handled as above (with
   its readers resident it is usually evicted at once).
@@ -186,6 +187,10 @@ class Lifetime:
     def drain(self) -> None:
         """See Note [Dead storages]."""
         dead, self.dead = self.dead, []
+        memory = self.memory
+        pressure = memory.stats.evictions > 0  # (before the block's first eviction, keeps_dead keeps nothing)
+        if pressure:
+            memory.note_deaths(dead)
         for s in dead:
             if s.payload.wrappers > 0 or s.state is State.FREED:
                 continue
@@ -198,11 +203,30 @@ class Lifetime:
             elif s.payload.recipe is None:
                 continue  # unevictable: it stays until its readers go (they will find it resident)
             elif s.state is State.RESIDENT:
-                if keeps_dead(s, self.memory):
-                    self._roll_forward(s)  # what it is kept for may come back now; then it need not stay
-                    if s.state is not State.RESIDENT or keeps_dead(s, self.memory):
-                        continue
-                self.memory.evict(s)
+                if pressure:
+                    self._decide(s)
+                else:
+                    memory.evict(s)
+
+    def _decide(self, s: Storage) -> None:
+        """Dead resident `s`, read by recipes that may be replayed, under pressure: kept or dropped (evicted at
+        once), with the outcome in the stream of Note [Step replay], which a following block takes it from."""
+        memory = self.memory
+        recorded = memory.recorded_outcome(s)
+        if recorded == "drop":
+            memory.drop(s)
+        elif recorded == "keep":
+            memory.keep(s)
+        elif not keeps_dead(s, memory):
+            memory.drop(s)
+        else:
+            self._roll_forward(s)  # what it is kept for may come back now; then it need not stay
+            if s.state is not State.RESIDENT:
+                return
+            if keeps_dead(s, memory):
+                memory.keep(s)
+            else:
+                memory.drop(s)
 
     def _roll_forward(self, s: Storage) -> None:
         """See Note [Dead storages]: the evicted storages a wrapper uses whose restore would read dead `s` (which

@@ -165,6 +165,23 @@ class Memory:
         """Whether the block still follows a recording (Note [Step replay])."""
         return self._following
 
+    def note_deaths(self, dead: list) -> None:
+        """The storages whose last wrapper died (`dead`) are handled now, in this order: part of the stream Note
+        [Step replay] compares, since a death's outcome reads which evicted storages a wrapper still uses (Note
+        [Dead storages] in lifetime.py). Asked from the block's first eviction on (before it, none is kept)."""
+        r = self._replay
+        if r is not None and not r.add(("dead", tuple([s.sid for s in dead]))):
+            self._resync()
+
+    def recorded_outcome(self, s: Storage) -> str | None:
+        """While following: "drop" or "keep" where the recorded block decided so of dead resident `s` at this point
+        of its stream, straight away (Note [Step replay]: the state is the recorded block's, so the walk that
+        decided it there, lifetime.keeps_dead, would decide it here the same way); None otherwise."""
+        if not self._following:
+            return None
+        r = self._replay
+        return "drop" if r.next_is(("drop", s.sid)) else "keep" if r.next_is(("keep", s.sid)) else None
+
     def _fact(self, *entry) -> None:
         """A change of the records that no memory event shows, for Note [Step replay]'s stream."""
         r = self._replay
@@ -249,6 +266,16 @@ class Memory:
         if s.pins:
             raise ValueError(f"storage {s.sid} is pinned {s.pins} time(s); unpin it before evicting it")
         self._evict(s)
+
+    def drop(self, s: Storage) -> None:
+        """Evict a resident storage that died, under pressure (Note [Dead storages] in lifetime.py). Its own stream
+        entry tells this eviction from a plan's victim (a restore's plan may evict the same storage first)."""
+        self._fact("drop", s.sid)
+        self.evict(s)
+
+    def keep(self, s: Storage) -> None:
+        """A resident storage that died stays (Note [Dead storages]): only a stream entry, as for `drop`."""
+        self._fact("keep", s.sid)
 
     def free(self, s: Storage) -> None:
         """Forget a storage for good (resident or evicted)."""

@@ -18,7 +18,13 @@ Approach:
     compared with the recording's next one. While all have been equal, the memory is in the state the recorded
     block was in at that point (the same records, table and clock: sids and the clock start from 0 in every
     block), so a placement that needs eviction applies the recorded plan instead of searching (after checking
-    that each victim is resident, unpinned and evictable). Meanwhile the decision state is not kept.
+    that each victim is resident, unpinned and evictable), and a dead resident storage that the recorded block
+    dropped or kept straight away (Note [Dead storages] in lifetime.py) is dropped or kept without the walk
+    over its evicted readers that decided it there. Meanwhile the decision state is not kept.
+  - That walk reads which evicted storages a wrapper still uses, which no memory event shows: so from the block's
+    first eviction on, the stream also holds the storages whose deaths each drain handles, in order, and a
+    "drop" or "keep" fact for each outcome (a drop's own event would not do: a restore's plan may evict the same
+    storage as its first victim, with the same event).
   - At the first entry that differs (another op, another input, an event at another offset, size or clock, a
     placement the recording did not evict for, or anything that reads the policy's columns), the block stops
     following for good: the decision state is rebuilt from the records (every resident storage's kind and last
@@ -136,6 +142,11 @@ class Replay:
         """Stop following: this block's recording is the followed one up to here."""
         f, self.follow = self.follow, None
         self.rec = f.prefix(self.pos)
+
+    def next_is(self, entry: tuple) -> bool:
+        """While following, whether the recording's next stream entry is `entry` (by hash); nothing is consumed."""
+        f, i = self.follow, self.pos
+        return f is not None and i < len(f.stream) and f.stream[i] == hash(entry)
 
     def recorded_plan(self) -> Applied | None:
         """While following, what the recorded block applied at this point of its stream (None: nothing)."""

@@ -175,3 +175,32 @@ def test_placements_that_found_no_plan_are_replayed_too(policy):
 def test_replay_must_be_a_bool():
     with pytest.raises(ValueError, match="replay must be True or False"):
         coop_arena.Budget(1 << 20, device="cpu", replay="yes")
+
+
+def _deaths_block(memory, follow, dead):
+    """A block on a bare Memory: a, b, c placed (c by evicting a), then the deaths of `dead` (names) handled, and b
+    dropped when the recording says so. Returns whether b's drop was taken from the recording, and its recording."""
+    memory.reset()
+    memory.start_replay(follow)
+    a = memory.allocate(4096, 1.0)
+    b = memory.allocate(4096, 1.0, inputs=[a])
+    memory.allocate(4096, 1.0, inputs=[b])  # (does not fit: a is evicted)
+    assert memory.stats.evictions == 1
+    memory.note_deaths([{"a": a, "b": b}[n] for n in dead])
+    followed = memory.recorded_outcome(b) == "drop"
+    memory.drop(b)
+    return followed, memory.take_recording()
+
+
+def test_drops_follow_the_recording_only_after_the_same_deaths():
+    """A dead storage's drop is taken from the recording without deciding it again (lifetime.keeps_dead) only while
+    the deaths handled so far are those of the recorded block: which storages a wrapper still uses is what that
+    decision reads."""
+    from coop_arena.memory import Memory
+    memory = Memory(8192, partition=False)
+    followed, recording = _deaths_block(memory, None, ["b"])
+    assert not followed  # nothing to follow yet
+    assert _deaths_block(memory, recording, ["b"]) == (True, recording)
+    assert memory.stats.evictions == 1 and memory.used_bytes == 4096
+    followed, _ = _deaths_block(memory, recording, ["a", "b"])  # a's wrapper died too: the recording differs
+    assert not followed and not memory.following
