@@ -21,7 +21,10 @@ victims only add c/s), so coop cannot lose to dtr request by request; where it l
 0.35 and 0.3 of its peak), dtr's scattered victims free bytes that later requests take without a search. Taking
 dtr's plan whenever its c/s per byte it frees is below the window's was measured and not adopted: Inception V3 at
 0.3/0.2 1.174x/1.411x -> 1.161x/1.365x, but ResNet-152 at 0.35 1.155x -> 1.186x, DenseNet-121 at 0.5/0.2
-1.135x/1.239x -> 1.154x/1.317x, GPT-2 at 0.5 1.120x -> 1.128x.
+1.135x/1.239x -> 1.154x/1.317x, GPT-2 at 0.5 1.120x -> 1.128x. Scoring each right end's shortest window by
+its c/s times (need / its bytes)^a, so that a window freeing more than the request counts what it frees beyond it,
+was measured too and not adopted: a = 1 ResNet-152 at 0.35/0.3/0.1 1.155x/1.182x/1.452x -> 1.149x/1.174x/1.614x
+(dtr 1.129x/1.147x/1.633x), a = 0.5 1.157x/1.186x/1.577x.
 
 Note [Staleness, not the recorded next use]
 Staleness is a guess at how soon a storage is needed again. A training loop repeats one step, so a later block
