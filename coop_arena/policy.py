@@ -25,6 +25,10 @@ dtr's plan whenever its c/s per byte it frees is below the window's was measured
 its c/s times (need / its bytes)^a, so that a window freeing more than the request counts what it frees beyond it,
 was measured too and not adopted: a = 1 ResNet-152 at 0.35/0.3/0.1 1.155x/1.182x/1.452x -> 1.149x/1.174x/1.614x
 (dtr 1.129x/1.147x/1.633x), a = 0.5 1.157x/1.186x/1.577x.
+Where the loss at ResNet-152 0.35 comes from (one dry run each): coop replays 71 convolution outputs (11.1 % of
+the step's cost) and 114 batch-norm outputs (4.2 %), dtr 49 (7.3 %) and 117 (5.5 %); coop's 184 plans evict 187
+storages, none reading another victim of the same plan, so the window does not lose by evicting a producer beside
+its consumer. It loses by taking a single small, stale convolution output where dtr frees a larger batch-norm one.
 
 Note [Staleness, not the recorded next use]
 Staleness is a guess at how soon a storage is needed again. A training loop repeats one step, so a later block
