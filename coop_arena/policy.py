@@ -28,7 +28,8 @@ was measured too and not adopted: a = 1 ResNet-152 at 0.35/0.3/0.1 1.155x/1.182x
 Where the loss at ResNet-152 0.35 comes from (one dry run each): coop replays 71 convolution outputs (11.1 % of
 the step's cost) and 114 batch-norm outputs (4.2 %), dtr 49 (7.3 %) and 117 (5.5 %); coop's 184 plans evict 187
 storages, none reading another victim of the same plan, so the window does not lose by evicting a producer beside
-its consumer. It loses by taking a single small, stale convolution output where dtr frees a larger batch-norm one.
+its consumer. Coop evicts more, smaller storages for about the same bytes (187 of 171 MiB on average against
+dtr's 164 of 198 MiB), and more of them are convolution outputs; which single decisions cause that is not measured.
 
 Note [Staleness, not the recorded next use]
 Staleness is a guess at how soon a storage is needed again. A training loop repeats one step, so a later block
