@@ -45,7 +45,7 @@ bench: $(VENV)/.installed
 chain: $(VENV)/.installed
 	$(PY) -m bench.chain
 
-# The paper's evaluation: nine models, every policy and ablation, dry runs on meta (about 10 minutes on 2 cores).
+# The paper's evaluation: nine models, every policy and ablation, dry runs on meta (about 15 minutes on 2 cores).
 evaluate: $(EVAL_VENV)/.installed
 	$(EVAL_PY) -m coop_arena evaluate --jobs 2 --out bench/results/evaluation
 
