@@ -46,6 +46,11 @@ Variants moved the losses elsewhere: the distance in ops instead of cost (Swin-T
 0.2 1.738x); the geometric mean of staleness and that distance (Inception V3 0.3 1.474x, BERT-Large 0.1
 1.756x); counting resident dependents' reads too was worse everywhere (Swin-T 0.2 3.28x). A later step that
 fails where the first fitted would end a training run, so staleness stays.
+Damping staleness instead (coop's c/s^a, copies priced alike), measured on 16 points (2026-12-06): a = 0.5
+lowers U-Net 0.3/0.25 1.491x/3.982x -> 1.281x/1.584x, Inception V3 0.2 1.411x -> 1.303x, ResNet-152 0.3 1.182x ->
+1.159x, DenseNet-121 0.5 1.135x -> 1.118x, BERT-Large 0.1 1.399x -> 1.338x, but raises ResNet-50 0.2 1.316x ->
+1.521x (and 0.1625 no longer fits), Swin-T 0.1625 1.376x -> 4.321x, ResNet-152 0.1 1.452x -> 1.536x; a = 0.75 and
+0.9 move other edges the same way (U-Net 0.25 stops fitting at 0.75; ResNet-50 0.1625 at 0.9). s stays whole.
 """
 
 from __future__ import annotations
