@@ -528,10 +528,9 @@ class Memory:
                                     lambda i, fits: min(fits.tolist(), key=lambda b: (h[b], b)) if fits.size else None)
         if stuck is not None:
             return None, stuck
-        own = self.table.owners
         evict = tuple(sorted([i for i in plan.victims if not movable[i]] + [b for b, _ in moves if b is not None]))
         return (_policy.EvictionPlan(evict, plan.start, plan.end, plan.cost, plan.policy),
-                tuple((self._slots[int(own[i]) - 1], at) for _, (i, at) in moves)), None
+                tuple((self._storage_at(i), at) for _, (i, at) in moves)), None
 
     def _prices(self):
         """Per block in address order: its kind, its eviction price c/s and the price of copying it, 2 x bytes / s
@@ -643,8 +642,7 @@ class Memory:
         cost = float(h[evict].sum()) + sum(float(move[i]) for _, (i, _) in moves)
         if cost >= plain.cost:
             return None
-        own = self.table.owners
-        moved = tuple((self._slots[int(own[i]) - 1], at) for _, (i, at) in moves)
+        moved = tuple((self._storage_at(i), at) for _, (i, at) in moves)
         return _policy.EvictionPlan(tuple(sorted(evict)), plan.start, plan.end, cost, plan.policy), moved
 
     def _copies(self, plan, movers, kind, hole_from):
@@ -717,7 +715,7 @@ class Memory:
             if own[i] == _FREE_OWNER or i in gone:
                 continue
             if offsets[i] != cursor:
-                slides.append((self._slots[int(own[i]) - 1], cursor))
+                slides.append((self._storage_at(i), cursor))
             cursor += int(sizes[i])
         end = int(offsets[seg[-1]] + sizes[seg[-1]])
         return _policy.EvictionPlan(tuple(victims.tolist()), cursor, end, cost, self.policy), tuple(slides)
@@ -775,7 +773,7 @@ class Memory:
         offset of the free block that now covers the plan's range."""
         table, st = self.table, self.stats
         off, sizes = table.offsets, table.sizes
-        victims = [self._slots[int(table.owners[i]) - 1] for i in plan.victims]
+        victims = [self._storage_at(i) for i in plan.victims]
         evicted = sum(int(sizes[i]) for i in plan.victims)
         # (a compaction's victims all end up in its range: the blocks above them slide down over their bytes)
         inside = evicted if slide else sum(int(sizes[i]) for i in plan.victims if plan.start <= off[i] < plan.end)
@@ -841,6 +839,10 @@ class Memory:
                          f"after applying the recorded plan at {a.start}, block {o}+{size} (owner {owner}) does not "
                          f"hold {need} bytes")
         return o
+
+    def _storage_at(self, i: int) -> Storage:
+        """The storage that owns the i-th block in address order (a block that is not free)."""
+        return self._slots[int(self.table.owners[i]) - 1]
 
     def _new_slot(self) -> int:
         slot = len(self._slots)

@@ -257,7 +257,7 @@ def test_restores_serving_one_op_do_not_evict_what_they_restored(plain_and_peak,
         if acquiring:
             inputs, replayed = acquiring[0]
             for i in plan.victims:
-                sid = self._slots[int(self.table.owners[i]) - 1].sid
+                sid = self._storage_at(i).sid
                 seen["inputs_evicted"] += sid in inputs
                 seen["restored_evicted"] += sid in replayed
         return apply(self, plan, need, *args, **kwargs)
