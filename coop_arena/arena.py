@@ -32,6 +32,16 @@ Note [Streams]
     a blocking call (`async_op=False`) makes the current stream wait for it, as does `work.wait()`; an
     asynchronous collective on arena tensors must be waited on before those tensors are freed or the block
     ends. CUDA graph capture is not supported.
+
+Note [Overlapping moves]
+  Rationale: a relocation or a compaction slides a block by less than its size (a 64 MiB logits block moved by a
+    few KiB). Through a temporary of the block's size, the move alone put a block-sized allocation outside the
+    arena, over the cap a user measures.
+  Approach: on the CPU (`_move_torch`) the move goes chunk by chunk, from the low end when moving down and from the
+    high end when moving up, so that a chunk's destination only overwrites bytes already read. Chunks as long as
+    the distance moved copy directly; a shorter distance goes through one bounce buffer of 1/256 of the arena (at
+    least 64 KiB). On CUDA the Triton `arena_move` kernel is overlap-safe by itself and allocates nothing.
+  Limitations: a move by a short distance costs one extra copy of its bytes through the bounce buffer.
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ from .errors import BudgetUsageError, _internal_assert
 
 DEVICES = ("cpu", "cuda", "meta")
 SHARED_MAX = 1 << 14  # Arena.shared views kept (a step's outputs at their offsets); it starts over when full
+BOUNCE_MIN = 1 << 16  # the smallest bounce buffer of an overlapping move on the CPU (Note [Overlapping moves])
 BACKENDS = ("torch", "cupy")  # who allocates the buffer (cupy: CuPy, shared with torch through DLPack)
 
 
@@ -217,10 +228,27 @@ class Arena:
         return mover
 
     def _move_torch(self, src: int, dst: int, nbytes: int) -> None:
-        source = self.bytes(src, nbytes)
-        if abs(dst - src) < nbytes:  # overlapping: copy_ refuses shared memory, so go through a temporary
-            source = source.clone()
-        self.bytes(dst, nbytes).copy_(source)
+        """`copy_` in chunks (Note [Overlapping moves]): a chunk no longer than the distance moved is copied
+        directly, since its destination overlaps no byte still to be read; a short move goes through one bounce
+        buffer of at most `_bounce_bytes`, outside the arena, so no move allocates as much as the block it moves."""
+        gap = abs(dst - src)
+        if gap >= nbytes:
+            self.bytes(dst, nbytes).copy_(self.bytes(src, nbytes))
+            return
+        chunk = max(gap, min(nbytes, self._bounce_bytes()))
+        bounce = None if chunk <= gap else torch.empty(chunk, dtype=torch.uint8, device=self.device)
+        starts = range(0, nbytes, chunk) if dst < src else reversed(range(0, nbytes, chunk))
+        for i in starts:  # low to high when moving down, high to low when moving up: no unread byte is overwritten
+            n = min(chunk, nbytes - i)
+            if bounce is None:
+                self.bytes(dst + i, n).copy_(self.bytes(src + i, n))
+            else:
+                bounce[:n].copy_(self.bytes(src + i, n))
+                self.bytes(dst + i, n).copy_(bounce[:n])
+
+    def _bounce_bytes(self) -> int:
+        """The bounce buffer of an overlapping move: 1/256 of the arena, at least 64 KiB (Note [Overlapping moves])."""
+        return max(BOUNCE_MIN, self.nbytes >> 8)
 
     # ---------------------------------------------------------------------------------------------- streams
     def bind_stream(self) -> None:
