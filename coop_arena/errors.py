@@ -146,6 +146,11 @@ class CompileNotApplied(UserWarning):
     """A compiled module (torch.compile) ran inside a Budget, where PyTorch runs it uncompiled."""
 
 
+class FootprintExceeded(RuntimeWarning):
+    """A block's footprint (its arena plus what it allocated outside the arena, model state excepted) went over the
+    Budget's `nbytes`: the first block, while the headroom for temporaries is learned (Note [Headroom])."""
+
+
 class AutocastNotPlanned(UserWarning):
     """torch.autocast was on in a dry run on `meta`, where it has no effect: the plan is for the step without it."""
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import coop_arena
-from coop_arena import arena as arena_mod
+from coop_arena import arena as arena_mod, footprint
 from coop_arena.arena import Arena, resolve_device
 from coop_arena.errors import InternalError
 from coop_arena.storage import State
@@ -198,6 +198,24 @@ def _check_moves(arena: Arena) -> None:
 @pytest.mark.parametrize("copy_kernel", [None, False])
 def test_move_on_cpu_is_a_memmove(copy_kernel):
     _check_moves(Arena(8192, torch.device("cpu"), 8192, copy_kernel=copy_kernel))
+
+
+@pytest.mark.parametrize("bounce", [16, 256, 1 << 16])
+def test_move_on_cpu_in_chunks_is_a_memmove(monkeypatch, bounce):
+    # chunks through a small bounce buffer (moves by less than it), direct chunks (moves by more), one whole chunk
+    monkeypatch.setattr(arena_mod, "BOUNCE_MIN", bounce)
+    _check_moves(Arena(8192, torch.device("cpu"), 8192, copy_kernel=False))
+
+
+def test_overlapping_move_allocates_only_its_bounce_buffer():
+    arena = Arena(64 << 20, torch.device("cpu"), 64 << 20, copy_kernel=False)
+    arena.buffer[: 8 << 20].copy_(torch.randint(0, 256, (8 << 20,), dtype=torch.uint8))
+    expected = _memmove(arena.buffer, 0, 4096, 32 << 20)
+    fp = footprint.measure(lambda: arena.move(0, 4096, 32 << 20))
+    assert torch.equal(arena.buffer, expected)
+    assert fp.peak == arena._bounce_bytes() == (64 << 20) >> 8  # 256 KiB, not the 32 MiB moved
+    fp = footprint.measure(lambda: arena.move(4096, 4096 + (40 << 20), 16 << 20))  # disjoint: no allocation
+    assert fp.peak == 0
 
 
 @pytest.fixture

@@ -1,0 +1,130 @@
+"""Footprint: what a step adds to the device's memory, measured by PyTorch's profiler, not by the engine's counters.
+
+Note [Measured footprint]
+Rationale: `Budget(nbytes)` promises that a step adds at most `nbytes` to the device besides the model's own state
+  (parameters, their gradients, optimizer state). The engine's counters (`stats.footprint_peak`) are its own view of
+  that; a user checks it with the profiler or `torch.cuda.max_memory_allocated()`, so the tests and the benchmarks
+  check it the same way, independently of the engine.
+Approach: `measure(fn, keep=...)` runs `fn()` under `torch.profiler.profile(profile_memory=True)` and replays the
+  allocator's events in time order (each with its address and signed size). Only what `fn` allocates counts:
+  memory that existed before it (parameters, the arena of a Budget made before, gradients kept from an earlier
+  step) has no event. Allocations still alive when `fn` returns at the addresses of the tensors in `keep` (the
+  gradients and optimizer state `fn` made, model state) are left out at every instant of the replay, so `excess`
+  is the step's own peak: activations, temporaries, the arena when made inside `fn`, kernels' scratch.
+Limitations: the profiler sees what goes through PyTorch's allocators; a kernel's workspace that it allocates
+  itself (some cuDNN/oneDNN scratch, CUDA's own context) has no event. On CUDA, `device="cuda"` selects the CUDA
+  allocator's events (a CUDA activity is profiled); `torch.cuda.max_memory_allocated()` gives the same figure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Footprint:
+    """What one call added to a device's memory, from the profiler's allocation events (bytes)."""
+
+    peak: int         # most bytes alive at once that the call allocated, model state (`keep`) included
+    excess: int       # the same without the allocations still alive at `keep`'s addresses when the call ended
+    kept: int         # bytes of those allocations (gradients, optimizer state the call made)
+    allocations: int  # allocation events seen
+    largest: int      # the largest single allocation that is not kept
+
+
+def allocations(prof, device_type: str) -> list:
+    """The profiler's allocation events on `device_type`, in time order: (ns, id, address, signed bytes)."""
+    from torch._C._profiler import _EventType
+
+    out, work = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while work:
+        node = work.pop()
+        work.extend(node.children)
+        if node.typed[0] == _EventType.Allocation:
+            a = node.typed[1]
+            if a.device.type == device_type:
+                out.append((node.start_time_ns, a.id, a.ptr, a.alloc_size))
+    out.sort(key=lambda e: (e[0], e[1]))
+    return out
+
+
+def transient_peak(events) -> int:
+    """The most bytes alive at once in allocations that are freed before `events` end: what a call allocated for
+    itself and gave back (temporaries, scratch), leaving out what it made to keep (model state, results)."""
+    freed, open_ = set(), {}
+    for i, (_, _, ptr, size) in enumerate(events):
+        if size > 0:
+            open_[ptr] = i
+        elif ptr in open_:
+            freed.add(open_.pop(ptr))
+    live = peak = 0
+    sizes: dict = {}
+    for i, (_, _, ptr, size) in enumerate(events):
+        if size > 0:
+            if i in freed:
+                sizes[ptr] = size
+                live += size
+                peak = max(peak, live)
+        elif ptr in sizes:
+            live -= sizes.pop(ptr)
+    return peak
+
+
+def _storages(keep) -> set:
+    ptrs = set()
+    for t in keep:
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type != "meta":
+            ptrs.add(t.untyped_storage().data_ptr())
+    return ptrs
+
+
+def measure(fn, *, keep=(), device="cpu") -> Footprint:
+    """Run `fn()` once under the profiler and return what it allocated on `device` (a Footprint).
+
+    keep: tensors, or a function returning tensors, whose memory is model state once `fn` has run (the parameters'
+    `.grad`, optimizer state): their allocations are not counted in `excess`. A function is called after `fn`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device_type = torch.device(device).type
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device_type == "cuda" else [])
+    with profile(activities=activities, profile_memory=True) as prof:
+        fn()
+    kept_ptrs = _storages(keep() if callable(keep) else keep)
+    events = allocations(prof, device_type)
+    # an allocation is kept if it is alive at the end at a kept address
+    alive: dict = {}
+    for _, _, ptr, size in events:
+        if size > 0:
+            alive[ptr] = size
+        else:
+            alive.pop(ptr, None)
+    kept_at_end = {p for p in alive if p in kept_ptrs}
+    # the last allocation at each kept address is the kept one
+    last = {}
+    for i, (_, _, ptr, size) in enumerate(events):
+        if size > 0 and ptr in kept_at_end:
+            last[ptr] = i
+    kept_index = set(last.values())
+    live = live_all = peak = peak_all = largest = count = 0
+    sizes: dict = {}
+    for i, (_, _, ptr, size) in enumerate(events):
+        if size > 0:
+            count += 1
+            is_kept = i in kept_index
+            sizes[ptr] = (size, is_kept)
+            live_all += size
+            if not is_kept:
+                live += size
+                largest = max(largest, size)
+        else:
+            size_kept = sizes.pop(ptr, None)
+            if size_kept is None:  # freed memory allocated before the call
+                continue
+            live_all -= size_kept[0]
+            if not size_kept[1]:
+                live -= size_kept[0]
+        peak, peak_all = max(peak, live), max(peak_all, live_all)
+    kept = sum(alive[p] for p in kept_at_end)
+    return Footprint(peak=peak_all, excess=peak, kept=kept, allocations=count, largest=largest)
