@@ -166,19 +166,46 @@ def _rrelu_in_eval(args, kwargs):
 
 
 # Note [Probing for hidden writes]
-# The first call of an op configuration with tensor arguments from outside the arena copies them and compares after
+# The first call of an op configuration with tensor arguments from outside the arena compares them before and after
 # the op: a write that its schema does not mark (native_batch_norm's running statistics, an untagged custom op) is
-# an effect (Rule 5). The copies are made in host memory: on a device they would be memory outside both the arena
-# and the temporaries the Budget counts (a language model's embedding, hundreds of MB, in its first step). That
-# costs two copies to the host per argument and configuration, in the first step only.
+# an effect (Rule 5). A small argument (at most PROBE_COPY_MAX bytes) is copied to host memory and compared byte for
+# byte. A larger one (a weight, a language model's embedding of hundreds of MB) is compared by a fingerprint that
+# allocates nothing of its size: the XOR of its elements widened to 64 bits (torch.hash_tensor) and, for a
+# contiguous argument, the wrapping sum of its bytes as int64 words. Its copies, on the CPU, were the step's largest
+# allocations outside the arena (two copies of a 32 MiB classifier weight), over the cap a user measures. A write
+# that leaves both the XOR and the sum as they were (values swapped in place) goes unseen for a large argument.
+# Without torch.hash_tensor (torch < 2.9) every argument is copied. First step only: the result is kept per
+# configuration.
+PROBE_COPY_MAX = 1 << 20
+
+
 def _probe(externals) -> list:
-    """(position, tensor, version, host copy) of the op's tensor arguments from outside the arena, before it runs."""
-    return [(pos, t, _version(t), _host_bytes(t)) for pos, t in externals]
+    """(position, tensor, version, host copy or fingerprint) of the op's tensor arguments from outside the arena."""
+    return [(pos, t, _version(t), _fingerprint(t)) for pos, t in externals]
 
 
 def _probed_writes(probe) -> frozenset:
     """The positions among `probe` that the op wrote (torch.equal on raw bytes: a NaN is equal to itself)."""
-    return frozenset(pos for pos, t, v, before in probe if _version(t) != v or not torch.equal(_host_bytes(t), before))
+    return frozenset(pos for pos, t, v, before in probe if _version(t) != v or _changed(t, before))
+
+
+def _changed(t: torch.Tensor, before) -> bool:
+    after = _fingerprint(t)
+    if isinstance(before, torch.Tensor):
+        return not torch.equal(after, before)
+    return after != before
+
+
+def _fingerprint(t: torch.Tensor):
+    """A host copy of a small tensor's bytes, or a fingerprint of a large one (Note [Probing for hidden writes])."""
+    if t.numel() * t.element_size() <= PROBE_COPY_MAX or not hasattr(torch, "hash_tensor") or t.is_complex():
+        return _host_bytes(t)
+    t = t.resolve_conj().resolve_neg()
+    words = None
+    if t.is_contiguous() and t.numel() * t.element_size() % 8 == 0 and t.storage_offset() * t.element_size() % 8 == 0:
+        words = t.reshape(-1).view(torch.uint8).view(torch.int64)
+    return (int(torch.hash_tensor(words if words is not None else t).view(torch.int64)),
+            int(words.sum()) if words is not None else None)
 
 
 def _version(t: torch.Tensor):
