@@ -2,7 +2,9 @@
 
 For a change that must not change decisions (a faster table, search or cost model), this records on the code
 before the change and compares on the code after it: every memory trace event (with ids, offsets and clock),
-the memory stats of every block and `budget.stats` (search timings left out), and the parameters after training. Workloads: the example models (mlp, cnn, gpt, lstm) trained 3
+the memory stats of every block and `budget.stats` (search timings and the footprint's fields left out), and the
+parameters after training. CPU runs keep the arena at the whole budget (`headroom=0`, where the version has a
+learned headroom: Note [Headroom]), so that they compare the policy's decisions, not the arena's size. Workloads: the example models (mlp, cnn, gpt, lstm) trained 3
 steps on cpu (tests/training.py) at 40 % of their plain peak, and `coop-arena plan`-style dry runs on meta
 (batch 8) at 0.5 and 0.3 of the peak, under coop, dtr and dte. Dry runs stop at `max_overhead=30`, a
 deterministic point, where a ratio thrashes.
@@ -37,6 +39,15 @@ POLICIES = ("coop", "dtr", "dte")
 TRACE = 10**8
 MAX_OVERHEAD = 30.0
 TIMING = ("search_seconds", "search_seconds_per_event", "search_seconds_max", "replayed_ops")  # (and not decisions)
+# the footprint's fields (Note [Headroom]): with the arena fixed at the whole budget they say nothing of decisions
+FOOTPRINT = ("cap", "headroom", "arena_bytes", "footprint_peak", "footprint_observed")
+
+
+def _fixed_arena() -> dict:
+    """Budget arguments that keep the arena at the whole budget, where the version has a learned headroom."""
+    import inspect
+    import coop_arena
+    return {"headroom": 0} if "headroom" in inspect.signature(coop_arena.Budget).parameters else {}
 
 
 class Recorder:
@@ -63,7 +74,7 @@ class Recorder:
 
 
 def _untimed(d: dict) -> dict:
-    return {k: v for k, v in d.items() if k not in TIMING}
+    return {k: v for k, v in d.items() if k not in TIMING and k not in FOOTPRINT}
 
 
 def record(models) -> dict:
@@ -74,13 +85,13 @@ def record(models) -> dict:
     from training import state, train
     rec, out = Recorder(), {}
     for name in models:
-        b = coop_arena.Budget(1 << 28, device="cpu", trace_len=TRACE)
+        b = coop_arena.Budget(1 << 28, device="cpu", trace_len=TRACE, **_fixed_arena())
         train(name, b, steps=1)
         peak = b.stats.peak_bytes
         rec.take()
         for policy in POLICIES:
             t0 = time.time()
-            b = coop_arena.Budget(int(0.4 * peak), device="cpu", policy=policy, trace_len=TRACE)
+            b = coop_arena.Budget(int(0.4 * peak), device="cpu", policy=policy, trace_len=TRACE, **_fixed_arena())
             stats = []
             model = train(name, b, check=lambda bb: stats.append(_untimed(bb.stats.as_dict())))
             blocks, costs = rec.take()

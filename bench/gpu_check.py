@@ -294,7 +294,10 @@ def measure_model(name: str, device: str, deadline: float, smoke: bool) -> None:
                 continue
             budget = None
             try:
-                budget = coop_arena.Budget(nbytes, device=device, policy=policy, max_overhead=MAX_OVERHEAD)
+                # the arena alone at each ratio of the engine's peak (headroom=0): the targets below are the
+                # arena's; the footprint with the learned headroom is bench/peers.py's comparison
+                budget = coop_arena.Budget(nbytes, device=device, policy=policy, max_overhead=MAX_OVERHEAD,
+                                           headroom=0)
                 steps, params = run_steps(model, init, inputs, loss_of, budget, dev)
                 emit("run", policy=policy, ratio=ratio, nbytes=nbytes, status="ok", seconds=step_seconds(steps),
                      vs_plain=step_seconds(steps) / plain_seconds, steps=steps, **compare(reference, params))

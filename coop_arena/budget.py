@@ -31,11 +31,13 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import (TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode,
                                           _get_current_dispatch_mode_stack, _pop_mode, _push_mode)
 
-from . import patches
+from . import patches, placement
 from .arena import Arena, check_backend, resolve_device
 from .bookkeeping import Bookkeeping
 from .blocks import ALIGNMENT
-from .errors import ArenaAllocationError, AutocastNotPlanned, BudgetUsageError, CompileNotApplied, _fmt
+from .errors import (ArenaAllocationError, AutocastNotPlanned, BudgetUsageError, CompileNotApplied,
+                     FootprintExceeded, _fmt)
+from .headroom import Observer
 from .lifetime import forget_collection_pause, pause_collection, resume_collection
 from .memory import Memory
 from .ops import flatten
@@ -79,10 +81,16 @@ class BudgetStats:
     dropped: int = 0           # storages given up at exit after an error (TensorLost on use)
     placed_bytes: int = 0      # output bytes written into the arena, replays included
     temporary_bytes: int = 0   # of those, bytes computed into a temporary first (no out= kernel) and copied in
-    temporary_peak: int = 0    # largest temporaries alive at once, outside the arena: the device footprint is
-                               # nbytes + temporary_peak
+    temporary_peak: int = 0    # most bytes alive at once outside the arena, model state excepted: observed from the
+                               # allocator's events when footprint_observed; else the peak observed last at this
+                               # arena size or the engine's count of its own temporaries, the larger (Note [Headroom])
     replayed_ops: int = 0      # of `ops`, those run while the block followed the previous block's decisions
                                # (replay=True, Note [Step replay]): all of them when the step repeats the last one
+    cap: int = 0               # the Budget's nbytes: arena + headroom
+    headroom: int = 0          # of it, the bytes kept outside the arena for temporaries (the arena is cap - headroom)
+    arena_bytes: int = 0       # the arena this block ran in
+    footprint_peak: int = 0    # arena_bytes + temporary_peak: what the block added to the device at most
+    footprint_observed: bool = False  # temporary_peak was observed from the allocator's events (Note [Headroom])
 
     @property
     def exit_overhead(self) -> float:
@@ -288,15 +296,17 @@ class _Mode(TorchDispatchMode):
 
 
 class Budget:
-    """A hard memory budget for the ops run inside `with budget:`; the arena of `nbytes` is allocated once, here.
+    """A hard memory budget for the ops run inside `with budget:`: the arena and the temporaries of its ops together
+    stay within `nbytes` (Note [Headroom]); the arena is allocated here.
 
         budget = coop_arena.Budget(4 << 30)   # bytes
         with budget:
             model(x).sum().backward()
         print(budget.stats)
 
-    Every tensor an op makes inside the block lives in one arena of `nbytes` bytes (rounded down to `alignment`);
-    when a new one does not fit, tensors are evicted and recomputed later, bit for bit. Tensors from before the
+    Every tensor an op makes inside the block lives in one arena of `nbytes - headroom` bytes (rounded down to
+    `alignment`); what ops allocate outside it for a moment (temporaries, kernels' scratch) lives in the headroom.
+    When a new tensor does not fit, tensors are evicted and recomputed later, bit for bit. Tensors from before the
     block (parameters, buffers, inputs, optimizer state) are read, never moved or counted. A step that cannot fit
     raises `OutOfBudget` before anything changes; the Budget stays usable. A Budget runs one block at a time (a
     second thread entering it meanwhile gets `BudgetUsageError`), and Budgets do not nest (`BudgetUsageError`).
@@ -318,6 +328,10 @@ class Budget:
       replay: True (default) to let a block that runs the same step as the block before it take that block's
         eviction decisions instead of searching again (Note [Step replay] in replay.py; the same decisions, bits
         and stats); False to search at every block.
+      headroom: None (default) to learn the bytes kept outside the arena from the first blocks, observed with the
+        profiler (the first block's arena is the whole budget, and `FootprintExceeded` warns if its footprint went
+        over); an int from 0 to nbytes - alignment to fix it (0: the arena is the whole budget and temporaries are
+        outside the cap, as in a dry run).
 
     After a block: `stats` (BudgetStats, plain data), `trace` (its memory events), `snapshot()` (the blocks).
     """
@@ -325,9 +339,9 @@ class Budget:
     def __init__(self, nbytes: int, *, device=None, policy: str = "coop", partition: bool = True,
                  recomputable_inplace: bool = True, alignment: int = ALIGNMENT, cheap_density: float = 4.0,
                  trace_len: int = 10_000, max_overhead: float | None = None, relocate: bool = True,
-                 backend: str = "torch", replay: bool = True):
+                 backend: str = "torch", replay: bool = True, headroom: int | None = None):
         # numpy and other integer types count as ints (numbers.Integral); bool does not
-        nbytes, trace_len, alignment = (_integer(v) for v in (nbytes, trace_len, alignment))
+        nbytes, trace_len, alignment, headroom = (_integer(v) for v in (nbytes, trace_len, alignment, headroom))
         max_overhead, cheap_density = (float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else v
                                        for v in (max_overhead, cheap_density))
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
@@ -353,19 +367,33 @@ class Budget:
             raise ValueError(f"alignment must be a power of two of at least 16 bytes (the largest element size, so "
                              f"that every tensor starts on a multiple of its own), got {alignment!r}; the default "
                              f"is {ALIGNMENT}")
+        if headroom is not None and (isinstance(headroom, bool) or not isinstance(headroom, int) or headroom < 0
+                                     or headroom > nbytes - alignment):
+            raise ValueError(f"headroom must be None (learned from the first blocks) or an int number of bytes from 0 "
+                             f"to nbytes - alignment = {nbytes - alignment}, got {headroom!r}: the bytes of nbytes "
+                             f"kept outside the arena for temporaries (Note [Headroom])")
         check_backend(backend)
+        self.nbytes = nbytes
+        self.backend = backend
+        self._learns = headroom is None  # Note [Headroom]
+        self.headroom = 0 if headroom is None else -(-headroom // alignment) * alignment
+        self._observe = self._learns
+        self._observer: Observer | None = None
+        self._outside: int | None = None  # the last block's observed outside peak
+        self._settled: int | None = None  # the outside peak observed last at the present arena size
+        self._warned_footprint = False
+        self._observed = 0  # blocks observed so far
+        self._made = 0  # placement.made when the block opened
         self.max_overhead = None if max_overhead is None else float(max_overhead)
         self.device = resolve_device(device)
         self.policy = policy
         self.recomputable_inplace = recomputable_inplace
         self.replay = replay
         self._recording = None  # the stream of the last block that ended normally (Note [Step replay])
-        self.memory = Memory(nbytes, policy=policy, partition=partition, alignment=alignment,
-                             cheap_density=cheap_density, trace_len=trace_len, relocate=relocate)
-        try:
-            self.arena = Arena(nbytes, self.device, self.memory.table.usable, backend=backend)
-        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
-            raise ArenaAllocationError(nbytes, str(self.device), str(e).strip().splitlines()[0]) from e
+        self._memory_args = dict(policy=policy, partition=partition, alignment=alignment, cheap_density=cheap_density,
+                                 trace_len=trace_len, relocate=relocate)
+        self.arena = None
+        self._make_arena()
         self._runtime: Runtime | None = None
         self._mode: _Mode | None = None
         self._module_hook = None
@@ -380,7 +408,59 @@ class Budget:
         self._entered = 0  # the thread's `whole`s open when the block opened (recipe.close_entered)
 
     def __repr__(self) -> str:
-        return f"Budget({self.memory.budget} bytes, device={self.device}, policy={self.policy!r})"
+        return f"Budget({self.nbytes} bytes, device={self.device}, policy={self.policy!r})"
+
+    def _make_arena(self) -> None:
+        """The arena (and its block table) of `nbytes - headroom` bytes, made again when the headroom grows (between
+        blocks, when the arena is empty: Note [Headroom])."""
+        size = self.nbytes - self.headroom
+        self.memory = Memory(size, **self._memory_args)
+        self.arena = None  # (the old buffer goes back first: the two are never held at once)
+        try:
+            self.arena = Arena(size, self.device, self.memory.table.usable, backend=self.backend)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            raise ArenaAllocationError(size, str(self.device), str(e).strip().splitlines()[0]) from e
+
+    def _learn_headroom(self, outside: int | None) -> None:
+        """After a block that ended normally: its observed outside peak (None: not observed) sets the headroom, or
+        ends the learning (Note [Headroom]). Warns once when the block's footprint went over `nbytes`."""
+        align = self.memory.table.alignment
+        learned = None
+        if self._learns and outside is not None:
+            learned = min(-(-outside // align) * align, self.nbytes - align)
+            if self._observed >= 2:  # after the first two observed blocks it only grows: the learning ends
+                learned = max(learned, self.headroom)
+            self._observed += 1
+        change = learned is not None and learned != self.headroom
+        if outside is not None and self.arena.nbytes + outside > self.nbytes and not self._warned_footprint:
+            self._warned_footprint = True
+            need = self._stats.lower_bound if self._stats is not None else 0
+            then = (f"; from the next block on, the arena is {_fmt(self.nbytes - learned)} and the rest of the "
+                    f"budget is kept for them (headroom=<bytes> sets it from the start)" if change else
+                    f": pass a headroom of at least {_fmt(-(-outside // align) * align)}, or headroom=None to learn it")
+            if change and self.nbytes - learned < need:
+                then += (f". That arena is below this step's lower bound of {_fmt(need)} (its largest op's working "
+                         f"set plus unevictable bytes): the next block will raise OutOfBudget; a budget of at least "
+                         f"{_fmt(need + learned)} holds both")
+            warnings.warn(f"this block of {self!r} allocated {_fmt(outside)} outside its arena of "
+                          f"{_fmt(self.arena.nbytes)} (temporaries of ops without an in-place kernel, kernels' "
+                          f"scratch): {_fmt(self.arena.nbytes + outside)} in all, over the budget{then}",
+                          FootprintExceeded, stacklevel=3)
+        if not self._learns:
+            return
+        if outside is None:  # not observed (settled, another profiler was on, or the block failed)
+            if placement.made[0] != self._made:
+                self._observe = True  # it met new op configurations (shapes): observe the next block
+            return
+        if not change:
+            self._settled = max(outside, self._settled or 0)
+            self._observe = False  # settled: later blocks run unobserved
+            return
+        self.headroom = learned
+        self._recording = None  # decisions taken in another arena are not this one's (Note [Step replay])
+        self._settled = None
+        self._make_arena()
+        self._observe = True
 
     # --------------------------------------------------------------------------------------------- context
     def __enter__(self) -> "Budget":
@@ -427,6 +507,11 @@ class Budget:
         except BaseException:
             self._close_hooks()
             raise
+        self._made = placement.made[0]
+        if self._observe and self.device.type != "meta":
+            observer = Observer(self.device)
+            if observer.start():
+                self._observer = observer
         pause_collection()  # the last step of opening: nothing after it can fail (Note [Cyclic collection])
 
     def _close_hooks(self) -> None:
@@ -472,6 +557,8 @@ class Budget:
                 with torch._C._PreserveDispatchKeyGuard():  # (a C++ guard: no moment an interrupt leaves it half done)
                     rt.finish(failed=exc_type is not None)
             finally:
+                observer, self._observer = self._observer, None
+                self._outside = observer.stop() if observer is not None else None
                 try:  # an interrupt as one of the exit's own `with`s ended (the copy-out's replays): the same undoing
                     close_entered(self._entered)
                 finally:
@@ -493,6 +580,7 @@ class Budget:
                     self._bookkeeping.settle = None
                     self.memory.reset()
                     self._runtime = None
+                    self._learn_headroom(self._outside if exc_type is None else None)
                     self._owner = None
                 finally:
                     resume_collection()  # even after an interrupt above (Note [Cyclic collection])
@@ -521,6 +609,10 @@ class Budget:
 
     def _collect(self, rt: Runtime) -> BudgetStats:
         m, c = self.memory.stats, rt.counters
+        outside = self._outside  # this block's observed outside peak, or None (Note [Headroom])
+        observed = outside is not None
+        if not observed:  # the last observed block's peak at this arena size, or the engine's count if larger
+            outside = max(c.temporary_peak, self._settled if self._settled is not None else 0)
         return BudgetStats(
             budget=self.memory.budget, peak_bytes=m.peak_bytes, ops=c.ops, evictions=m.evictions,
             eviction_events=m.eviction_events, evicted_bytes=m.evicted_bytes, excess_bytes=m.excess_bytes,
@@ -533,7 +625,9 @@ class Budget:
             relocated_bytes=m.relocated_bytes, compactions=m.compactions, exit_rematerializations=c.exit_rematerializations,
             exit_recompute_cost=c.exit_recompute_cost,
             restores_in_turn=c.restores_in_turn, dropped=c.dropped, placed_bytes=c.placed_bytes, temporary_bytes=c.temporary_bytes,
-            temporary_peak=c.temporary_peak, replayed_ops=c.replayed_ops)
+            temporary_peak=outside, replayed_ops=c.replayed_ops, cap=self.nbytes, headroom=self.headroom,
+            arena_bytes=self.arena.nbytes, footprint_peak=self.arena.nbytes + outside,
+            footprint_observed=observed)
 
     # ----------------------------------------------------------------------------------------- observability
     @property

@@ -34,15 +34,17 @@ class Footprint:
     largest: int      # the largest single allocation that is not kept
 
 
-def allocations(prof, device_type: str) -> list:
-    """The profiler's allocation events on `device_type`, in time order: (ns, id, address, signed bytes)."""
+def allocations(prof, device_type: str, skip_range: str | None = None) -> list:
+    """The profiler's allocation events on `device_type`, in time order: (ns, id, address, signed bytes).
+    Allocations made inside a range (record_function) named `skip_range` are left out, and so their frees."""
     from torch._C._profiler import _EventType
 
-    out, work = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    out, work = [], [(n, False) for n in prof.profiler.kineto_results.experimental_event_tree()]
     while work:
-        node = work.pop()
-        work.extend(node.children)
-        if node.typed[0] == _EventType.Allocation:
+        node, skipped = work.pop()
+        skipped = skipped or (skip_range is not None and node.name == skip_range)
+        work.extend((c, skipped) for c in node.children)
+        if node.typed[0] == _EventType.Allocation and not (skipped and node.typed[1].alloc_size > 0):
             a = node.typed[1]
             if a.device.type == device_type:
                 out.append((node.start_time_ns, a.id, a.ptr, a.alloc_size))

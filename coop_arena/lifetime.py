@@ -91,6 +91,7 @@ import weakref
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass, transform_subclass
 
+from . import headroom
 from .errors import CoopArenaError, OutOfBudget, _fmt, _internal_assert
 from .recipe import dead_ref, plain_dispatch
 from .storage import State, Storage, prune
@@ -462,10 +463,11 @@ def _grad_leaves_arena(leaf: torch.Tensor) -> None:
         return
     if _in_arena(g):
         plain = g.as_plain()  # (restored first if it was evicted)
-        with torch._C._DisableTorchDispatch(), torch._C._AutoDispatchBelowADInplaceOrView():  # Note [Plain ops]
+        with torch._C._DisableTorchDispatch(), torch._C._AutoDispatchBelowADInplaceOrView(), \
+                headroom.model_state():  # Note [Plain ops]; model state, not the step's (Note [Headroom])
             leaf.grad = plain.clone()
     elif is_traceable_wrapper_subclass(g) and any(_in_arena(getattr(g, n)) for n in g.__tensor_flatten__()[0]):
-        with plain_dispatch():  # a DTensor parameter's gradient (FSDP2): its local tensor leaves the arena
+        with plain_dispatch(), headroom.model_state():  # a DTensor parameter's gradient (FSDP2): its local tensor
             leaf.grad = transform_subclass(g, lambda _, t: t.as_plain().clone() if _in_arena(t) else t)
 
 

@@ -163,6 +163,7 @@ _CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}  # by dimen
 _PLANS: dict = {}
 _PLANS_MAX = 1 << 14  # configurations kept; the cache starts over when full (shapes or scalars that change every
                       # step would otherwise grow it without end)
+made = [0]  # configurations planned in this process (a Budget observes the block after one that made any: headroom.py)
 _SHAPE_FREE: dict = {}  # shape-free key -> a plan its device may size new shapes of (Note [Shapes that change])
 _UNSIZED: set = set()   # configurations their device's run could not plan (laid out otherwise): planned on meta
 _DECOMPOSES: dict = {}
@@ -204,6 +205,7 @@ def plan_for(func, op, args, kwargs, device_type: str, sizing: bool = False, fla
         _SHAPE_FREE.clear()
         _UNSIZED.clear()
     p = _PLANS[key] = _make_plan(func, op, leaves, spec, device_type)
+    made[0] += 1
     if free is not None and _sizes_from_device(func, p):
         _SHAPE_FREE[free] = p
     return p
@@ -228,6 +230,7 @@ def sized(sizing: Sizing, outs, cost: float) -> None:
         _UNSIZED.add(sizing.key)
         return
     _PLANS[sizing.key] = dataclasses.replace(like, outputs=tuple(specs), cost=cost, checked=[], learned=[])
+    made[0] += 1
 
 
 def _shape_free(key: tuple) -> tuple:

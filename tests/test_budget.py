@@ -150,7 +150,7 @@ def test_out_of_budget_names_everything_and_changes_nothing():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
     x = torch.randn(128, 64)
-    budget = coop_arena.Budget(100 << 10, device="cpu")
+    budget = coop_arena.Budget(100 << 10, device="cpu", headroom=0)
     with budget:  # one good step, so grads exist
         model(x[:4]).sum().backward()
     before = state(model) + [p.grad.clone() for p in model.parameters()]
@@ -370,7 +370,7 @@ def test_escaping_tensors_and_grads_leave_the_arena():
 
 
 def test_stats_and_snapshot_are_plain_data():
-    budget = coop_arena.Budget(64 << 10, device="cpu")
+    budget = coop_arena.Budget(64 << 10, device="cpu", headroom=0)
     with budget:
         xs = [torch.randn(1024) * i for i in range(40)]  # 4 KiB each, more than the budget holds
         snap = budget.snapshot()

@@ -8,7 +8,9 @@ dispatch mode below the Budget's, so a collective issued by a recomputation woul
 wrappers and arena views still alive after the block, and whether every `.grad` is a plain tensor outside
 the arena. The tests compare. The last scenario has rank 1 run out of budget and shows the teardown: the
 failing rank destroys its process group, and the other rank's pending collective fails at once instead of
-waiting out the group's timeout.
+waiting out the group's timeout. Every Budget here keeps its arena at the whole budget (`headroom=0`): these
+scenarios check the distributed protocol at fractions of the arena's peak; the footprint with a learned headroom
+is tests/test_footprint.py's.
 """
 
 from __future__ import annotations
@@ -197,7 +199,7 @@ def train(name, rank, budget=None, steps=3, accumulate=1, stress=False, search=T
 
 
 def peak(name, rank) -> int:
-    budget = coop_arena.Budget(1 << 28, device="cpu")
+    budget = coop_arena.Budget(1 << 28, device="cpu", headroom=0)
     train(name, rank, budget, steps=1, search=False)
     return budget.stats.peak_bytes
 
@@ -210,32 +212,32 @@ def scenarios(rank):
         for policy in POLICIES:
             for f in FRACTIONS:
                 yield ("budget", name, policy, f), lambda name=name, policy=policy, f=f: train(
-                    name, rank, coop_arena.Budget(int(f * results[("peak", name)]), device="cpu", policy=policy))
+                    name, rank, coop_arena.Budget(int(f * results[("peak", name)]), device="cpu", policy=policy, headroom=0))
     yield ("plain", "branchy"), lambda: train("branchy", rank)
     yield ("peak", "branchy"), lambda: peak("branchy", rank)
     yield ("budget", "branchy", "coop", 0.3), lambda: train(
-        "branchy", rank, coop_arena.Budget(int(0.3 * results[("peak", "branchy")]), device="cpu"))
+        "branchy", rank, coop_arena.Budget(int(0.3 * results[("peak", "branchy")]), device="cpu", headroom=0))
     yield ("plain", "no_sync"), lambda: train("cnn", rank, steps=1, accumulate=3)
     yield ("budget", "no_sync", "coop", 0.3), lambda: train(
-        "cnn", rank, coop_arena.Budget(int(0.3 * results[("peak", "cnn")]), device="cpu"), steps=1, accumulate=3)
+        "cnn", rank, coop_arena.Budget(int(0.3 * results[("peak", "cnn")]), device="cpu", headroom=0), steps=1, accumulate=3)
     yield ("plain", "synced"), lambda: train("synced", rank)
     yield ("peak", "synced"), lambda: peak("synced", rank)
     yield ("budget", "synced", "coop", 0.3), lambda: train(
-        "synced", rank, coop_arena.Budget(int(0.3 * results[("peak", "synced")]), device="cpu"))
-    yield ("stress", "synced"), lambda: train("synced", rank, coop_arena.Budget(1 << 24, device="cpu"),
+        "synced", rank, coop_arena.Budget(int(0.3 * results[("peak", "synced")]), device="cpu", headroom=0))
+    yield ("stress", "synced"), lambda: train("synced", rank, coop_arena.Budget(1 << 24, device="cpu", headroom=0),
                                               steps=1, stress=True)
     yield ("plain", "fsdp2"), lambda: train_fsdp2(rank)
     yield ("peak", "fsdp2"), lambda: peak_fsdp2(rank)
     for policy in POLICIES:
         yield ("budget", "fsdp2", policy, FSDP2_FRACTION), lambda policy=policy: train_fsdp2(
-            rank, coop_arena.Budget(int(FSDP2_FRACTION * results[("peak", "fsdp2")]), device="cpu", policy=policy))
+            rank, coop_arena.Budget(int(FSDP2_FRACTION * results[("peak", "fsdp2")]), device="cpu", policy=policy, headroom=0))
     yield ("plain", "fsdp2-keep"), lambda: train_fsdp2(rank, reshard=False)
     yield ("peak", "fsdp2-keep"), lambda: peak_fsdp2(rank, reshard=False)
     yield ("budget", "fsdp2-keep", "coop", FSDP2_KEEP_FRACTION), lambda: train_fsdp2(
-        rank, coop_arena.Budget(int(FSDP2_KEEP_FRACTION * results[("peak", "fsdp2-keep")]), device="cpu"),
+        rank, coop_arena.Budget(int(FSDP2_KEEP_FRACTION * results[("peak", "fsdp2-keep")]), device="cpu", headroom=0),
         reshard=False)
     yield ("plain", "fsdp2", 2), lambda: train_fsdp2(rank, steps=2)
-    yield ("stress", "fsdp2"), lambda: train_fsdp2(rank, coop_arena.Budget(1 << 24, device="cpu"), steps=2,
+    yield ("stress", "fsdp2"), lambda: train_fsdp2(rank, coop_arena.Budget(1 << 24, device="cpu", headroom=0), steps=2,
                                                    stress=True)
     yield ("out_of_budget",), lambda: out_of_budget(rank)
 
@@ -291,7 +293,7 @@ def train_fsdp2(rank, budget=None, steps=3, stress=False, search=True, reshard=T
 
 
 def peak_fsdp2(rank, reshard=True) -> int:
-    budget = coop_arena.Budget(1 << 28, device="cpu")
+    budget = coop_arena.Budget(1 << 28, device="cpu", headroom=0)
     train_fsdp2(rank, budget, steps=1, search=False, reshard=reshard)
     return budget.stats.peak_bytes
 
@@ -306,7 +308,7 @@ def out_of_budget(rank) -> dict:
     build, data, loss, ddp_kwargs = CONFIGS["gpt"]
     torch.manual_seed(0)
     ddp = DDP(build(), **ddp_kwargs)
-    budget = coop_arena.Budget(1 << 26 if rank == 0 else 1024, device="cpu")
+    budget = coop_arena.Budget(1 << 26 if rank == 0 else 1024, device="cpu", headroom=0)
     x, y = data(rank, 0)
     start = time.monotonic()
     try:
@@ -495,7 +497,7 @@ def test_state_made_in_gradient_hooks_stays_outside_the_arena():
         return [p.detach() for p in model.parameters()], kinds
 
     ref, _ = run(None)
-    budget = coop_arena.Budget(1 << 22, device="cpu")
+    budget = coop_arena.Budget(1 << 22, device="cpu", headroom=0)
     got, kinds = run(budget)
     assert kinds == {torch.Tensor} and bitwise_equal(ref, got)
 

@@ -33,15 +33,16 @@ def plain_peak(name) -> int:
 
 @functools.cache
 def smallest_budget(name, policy) -> int:
-    """Smallest budget (to 4% of the peak) under which one step runs, by bisection."""
+    """Smallest budget (to 4% of the peak) under which one step runs, by bisection: of the arena alone (headroom=0),
+    the policy's limit."""
     peak = plain_peak(name)
     lo, hi = int(0.1 * peak), int(0.6 * peak)  # lo fails (checked below), hi works (test_tight_budget_is_exact)
     with pytest.raises(coop_arena.OutOfBudget):
-        train(name, coop_arena.Budget(lo, device="cpu", policy=policy), steps=1)
+        train(name, coop_arena.Budget(lo, device="cpu", policy=policy, headroom=0), steps=1)
     while hi - lo > 0.04 * peak:
         mid = (lo + hi) // 2
         try:
-            train(name, coop_arena.Budget(mid, device="cpu", policy=policy), steps=1)
+            train(name, coop_arena.Budget(mid, device="cpu", policy=policy, headroom=0), steps=1)
             hi = mid
         except coop_arena.OutOfBudget:
             lo = mid
@@ -64,7 +65,10 @@ def run_and_check(name, budget):
     assert bitwise_equal(reference(name), state(model)), f"{name} under {budget} differs from plain PyTorch"
     first, *later = runs
     assert first.replayed_ops == 0
-    replayed = [st.ops if budget.replay else 0 for st in later]
+    # a step follows the previous one's decisions when it ran in an arena of the same size: the learned headroom
+    # (Note [Headroom]) makes the arena smaller after the first step when that step allocated outside it
+    replayed = [st.ops if budget.replay and st.arena_bytes == prev.arena_bytes else 0
+                for prev, st in zip(runs, later)]
     assert [st.replayed_ops for st in later] == replayed, ([st.replayed_ops for st in later], replayed)
     return runs
 
@@ -82,8 +86,10 @@ def test_ample_budget_is_exact(name, policy, replay):
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", MODELS)
 def test_tight_budget_is_exact(name, policy, fraction, replay):
+    # at 0.4 of the peak the LSTM's fused layer cannot hold its output in a temporary beside an arena big enough for
+    # its inputs: there the arena is the whole budget (headroom=0) and the temporaries are outside the cap
     runs = run_and_check(name, coop_arena.Budget(int(fraction * plain_peak(name)), device="cpu", policy=policy,
-                                                 replay=replay))
+                                                 replay=replay, headroom=0 if fraction < 0.5 else None))
     if fraction <= 0.4:
         assert all(r.evictions > 0 and r.rematerializations > 0 for r in runs), runs
 
@@ -93,7 +99,7 @@ def test_tight_budget_is_exact(name, policy, fraction, replay):
 @pytest.mark.parametrize("name", MODELS)
 def test_smallest_budget_is_exact(name, policy, replay):
     nbytes = smallest_budget(name, policy)
-    runs = run_and_check(name, coop_arena.Budget(nbytes, device="cpu", policy=policy, replay=replay))
+    runs = run_and_check(name, coop_arena.Budget(nbytes, device="cpu", policy=policy, replay=replay, headroom=0))
     assert all(r.evictions > 0 and r.rematerializations > 0 for r in runs)
     assert nbytes < 0.6 * plain_peak(name)
 
@@ -151,7 +157,7 @@ def test_dry_run_matches_cpu_run():
         nbytes = int(0.4 * plain_peak(name))
         runs = {}
         for device in ["cpu", "meta"]:
-            b = coop_arena.Budget(nbytes, device=device)
+            b = coop_arena.Budget(nbytes, device=device, headroom=0)
             train(name, b, steps=1, device=device)
             stats = b.stats.as_dict()
             stats.pop("search_seconds"), stats.pop("search_seconds_per_event")
@@ -185,9 +191,10 @@ def test_a_python_number_made_into_a_tensor_is_placed_alike_on_cpu_and_meta():
 
 def _cpu_and_meta(step, **options):
     """(stats, trace) of `step(budget, device)` at half its peak on the CPU and on meta, the CPU's second run (the
-    first CPU step learns layouts: README, Dry runs)."""
+    first CPU step learns layouts: README, Dry runs). The arena is the whole budget (headroom=0): a dry run plans
+    the arena; the headroom for temporaries is learned on a device (Note [Headroom])."""
     def run(nbytes, device):
-        budget = coop_arena.Budget(nbytes, device=device, **options)
+        budget = coop_arena.Budget(nbytes, device=device, **options, headroom=0)
         step(budget, device)
         stats = budget.stats.as_dict()
         stats.pop("search_seconds"), stats.pop("search_seconds_per_event")

@@ -1,6 +1,8 @@
 """Step replay (Note [Step replay] in coop_arena/replay.py): a later block of a Budget follows the decisions of the
 block before it while it runs the same step, and falls back to the normal path at the first difference. Either
-way, the trace, the stats and the trained parameters are exactly those of `replay=False`."""
+way, the trace, the stats and the trained parameters are exactly those of `replay=False`. The arena is the
+whole budget (`headroom=0`) so that every block after the first runs in the same arena (a learned headroom
+restarts replay each time it resizes the arena: Note [Headroom])."""
 
 from __future__ import annotations
 
@@ -20,10 +22,10 @@ UNTIMED = lambda st: {k: v for k, v in st.as_dict().items()  # noqa: E731
 def _blocks(name, fraction, policy, replay, steps=3, nbytes=None):
     """Train `name` under a Budget at `fraction` of its peak (or of `nbytes`): (per block: trace, stats), the
     model."""
-    peak = coop_arena.Budget(1 << 28, device="cpu")
+    peak = coop_arena.Budget(1 << 28, device="cpu", headroom=0)
     train(name, peak, steps=2)  # (and the process's plan caches learn every configuration of the step first)
     nbytes = int(fraction * (peak.stats.peak_bytes if nbytes is None else nbytes))
-    budget = coop_arena.Budget(nbytes, device="cpu", policy=policy, replay=replay, trace_len=10**7)
+    budget = coop_arena.Budget(nbytes, device="cpu", policy=policy, replay=replay, trace_len=10**7, headroom=0)
     blocks = []
 
     def inside(b):
@@ -95,13 +97,13 @@ PLAN = [(16, True), (16, True), (16, False), (16, False), (16, True), (12, True)
 
 def test_a_step_that_changes_midway_falls_back_to_the_normal_path():
     _, plain = _train_branchy(None, PLAN)
-    probe = coop_arena.Budget(1 << 26, device="cpu")
+    probe = coop_arena.Budget(1 << 26, device="cpu", headroom=0)
     _train_branchy(probe, PLAN[:1])
     nbytes = int(0.4 * probe.stats.peak_bytes)
-    _train_branchy(coop_arena.Budget(nbytes, device="cpu", replay=False), PLAN)  # the process's plan caches learn
+    _train_branchy(coop_arena.Budget(nbytes, device="cpu", replay=False, headroom=0), PLAN)  # the process's plan caches learn
     runs = {}  # every configuration first (new shapes go through temporaries once: Note [Shapes that change])
     for replay in (True, False):
-        runs[replay] = _train_branchy(coop_arena.Budget(nbytes, device="cpu", replay=replay, trace_len=10**7), PLAN)
+        runs[replay] = _train_branchy(coop_arena.Budget(nbytes, device="cpu", replay=replay, trace_len=10**7, headroom=0), PLAN)
     (replayed, params), (normal, params0) = runs[True], runs[False]
     assert bitwise_equal(params, plain) and bitwise_equal(params0, plain)
     for (trace, st), (trace0, st0) in zip(replayed, normal):
@@ -118,9 +120,9 @@ def test_a_step_that_changes_midway_falls_back_to_the_normal_path():
 
 
 def test_a_failed_block_leaves_the_last_good_recording_to_follow():
-    probe = coop_arena.Budget(1 << 26, device="cpu")
+    probe = coop_arena.Budget(1 << 26, device="cpu", headroom=0)
     _train_branchy(probe, PLAN[:1])
-    budget = coop_arena.Budget(int(0.4 * probe.stats.peak_bytes), device="cpu", trace_len=10**7)
+    budget = coop_arena.Budget(int(0.4 * probe.stats.peak_bytes), device="cpu", trace_len=10**7, headroom=0)
     model = Branchy()
     x = torch.randn(16, 32, generator=torch.Generator().manual_seed(0))
     with budget:
@@ -141,10 +143,10 @@ def test_a_failed_block_leaves_the_last_good_recording_to_follow():
 def test_a_dry_run_repeated_on_meta_is_replayed():
     model = Branchy().to("meta")
     x = torch.empty(64, 32, device="meta")
-    probe = coop_arena.Budget(1 << 30, device="meta")
+    probe = coop_arena.Budget(1 << 30, device="meta", headroom=0)
     with probe:
         model(x).backward()
-    budget = coop_arena.Budget(int(0.3 * probe.stats.peak_bytes), device="meta")
+    budget = coop_arena.Budget(int(0.3 * probe.stats.peak_bytes), device="meta", headroom=0)
     stats = []
     for _ in range(3):
         with budget:
@@ -174,7 +176,7 @@ def test_placements_that_found_no_plan_are_replayed_too(policy):
 
 def test_replay_must_be_a_bool():
     with pytest.raises(ValueError, match="replay must be True or False"):
-        coop_arena.Budget(1 << 20, device="cpu", replay="yes")
+        coop_arena.Budget(1 << 20, device="cpu", replay="yes", headroom=0)
 
 
 def _deaths_block(memory, follow, dead):

@@ -77,7 +77,7 @@ def test_optimizer_step_inside_the_block_keeps_plain_state(name, impl):
     before = global_hooks()
     plain_model, plain_opt, _ = train_mlp(name, impl)
     peak = peak_of(lambda b: train_mlp(name, impl, b, steps=1))
-    budget = coop_arena.Budget(peak // 2, device="cpu")
+    budget = coop_arena.Budget(peak // 2, device="cpu", headroom=0)
     model, opt, evictions = train_mlp(name, impl, budget)
     assert evictions > 0
     assert bitwise_equal(list(plain_model.parameters()), list(model.parameters()))
@@ -126,7 +126,7 @@ def test_zero_grad_scheduler_and_closure_inside_the_block():
         return model, opt, losses, evictions
 
     plain, plain_opt, plain_losses, _ = run(None)
-    model, opt, losses, evictions = run(coop_arena.Budget(12 << 10, device="cpu"))
+    model, opt, losses, evictions = run(coop_arena.Budget(12 << 10, device="cpu", headroom=0))
     assert evictions > 0
     assert all(isinstance(loss, coop_arena.Tensor) for loss in losses), "the closure ran outside the Budget"
     assert bitwise_equal([t.detach() for t in plain_losses], [t.as_plain() for t in losses])
@@ -315,7 +315,7 @@ def chain_peak(layers, x) -> int:
 def test_thrashing_step_warns_once_and_says_what_to_do():
     layers, x = chain()
     peak = chain_peak(layers, x)
-    budget = coop_arena.Budget(peak // 10, device="cpu")
+    budget = coop_arena.Budget(peak // 10, device="cpu", headroom=0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with budget:
@@ -687,9 +687,9 @@ def test_a_module_deep_copied_inside_the_block_is_plain_state():
         return [t.detach().clone() for t in [*model.parameters(), *ema.parameters(), *ema.buffers()]], copies
 
     reference, _ = run(None)
-    probe = coop_arena.Budget(1 << 26, device="cpu")
+    probe = coop_arena.Budget(1 << 26, device="cpu", headroom=0)
     run(probe)
-    budget = coop_arena.Budget(probe.stats.peak_bytes // 2, device="cpu")
+    budget = coop_arena.Budget(probe.stats.peak_bytes // 2, device="cpu", headroom=0)
     got, copies = run(budget)
     assert bitwise_equal(reference, got)
     assert budget.stats.evictions > 0
@@ -983,7 +983,7 @@ def test_an_eval_pass_and_a_training_pass_of_the_same_batch_norms_plan_alike_on_
 
     def run(nbytes, device):
         layers = make(device)
-        budget = coop_arena.Budget(nbytes, device=device, policy=policy, partition=False)
+        budget = coop_arena.Budget(nbytes, device=device, policy=policy, partition=False, headroom=0)
         out = []
         for _ in range(2):
             step(layers, device, budget)
@@ -992,7 +992,7 @@ def test_an_eval_pass_and_a_training_pass_of_the_same_batch_norms_plan_alike_on_
                         [e[:1] + e[2:] for e in map(tuple, budget.trace) if e[0] in ("evict", "restore")]))
         return out
 
-    everything = coop_arena.Budget(1 << 26, device="meta")
+    everything = coop_arena.Budget(1 << 26, device="meta", headroom=0)
     step(make("meta"), "meta", everything)
     nbytes = int(everything.stats.peak_bytes * 0.6)
     cpu, meta = run(nbytes, "cpu"), run(nbytes, "meta")
