@@ -13,7 +13,7 @@ KERNEL_ENV := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/d
 EVAL_VENV := .venv-eval
 EVAL_PY   := $(EVAL_VENV)/bin/python
 
-.PHONY: demo test bench chain evaluate evaluate-quick gpu-check clean
+.PHONY: demo test bench chain peers evaluate evaluate-quick gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -44,6 +44,11 @@ bench: $(VENV)/.installed
 # The linear chain against its optimal checkpointing schedule: bench/results/chain.md (a few minutes).
 chain: $(VENV)/.installed
 	$(PY) -m bench.chain
+
+# Equal-memory comparison against checkpointing, selective checkpointing and torch.compile's activation memory
+# budget on bench/peer_models.py's GPT and ResNet: bench/results/peers.md (11 to 14 minutes on 2 cores).
+peers: $(VENV)/.installed
+	$(PY) -m bench.peers
 
 # The paper's evaluation: nine models, every policy and ablation, dry runs on meta (about 15 minutes on 2 cores).
 evaluate: $(EVAL_VENV)/.installed
