@@ -36,7 +36,7 @@ from .arena import Arena, check_backend, resolve_device
 from .bookkeeping import Bookkeeping
 from .blocks import ALIGNMENT
 from .errors import (ArenaAllocationError, AutocastNotPlanned, BudgetUsageError, CompileNotApplied,
-                     FootprintExceeded, _fmt)
+                     FootprintExceeded, _fmt, _internal_assert)
 from .headroom import Observer
 from .lifetime import forget_collection_pause, pause_collection, resume_collection
 from .memory import Memory
@@ -646,7 +646,14 @@ class Budget:
         return list(self.memory.trace.events) if self._runtime is not None else self._trace
 
     def check_invariants(self) -> None:
+        """The block table's invariants, and the split of `nbytes` (Note [Headroom]): the arena and the headroom
+        make up the budget, the headroom a multiple of the alignment that leaves the arena at least one unit."""
         self.memory.check_invariants()
+        align = self.memory.table.alignment
+        _internal_assert(self.arena.nbytes + self.headroom == self.nbytes and self.memory.budget <= self.arena.nbytes
+                         and self.headroom % align == 0 and 0 <= self.headroom <= self.nbytes - align,
+                         f"the budget of {self.nbytes} bytes is not split into an arena of {self.arena.nbytes} and a "
+                         f"headroom of {self.headroom}")
 
 
 def _integer(v):

@@ -88,6 +88,7 @@ def check_footprint(name, nbytes):
             assert abs(st.footprint_peak - (st.arena_bytes + measured)) <= 0.02 * (st.arena_bytes + measured)
         assert st.arena_bytes + measured <= 1.02 * nbytes, (name, nbytes, i, st.arena_bytes, measured)
         assert st.arena_bytes + st.headroom == st.cap == nbytes
+    budget.check_invariants()
     return out
 
 
