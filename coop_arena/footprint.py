@@ -52,26 +52,37 @@ def allocations(prof, device_type: str, skip_range: str | None = None) -> list:
     return out
 
 
-def transient_peak(events) -> int:
-    """The most bytes alive at once in allocations that are freed before `events` end: what a call allocated for
-    itself and gave back (temporaries, scratch), leaving out what it made to keep (model state, results)."""
-    freed, open_ = set(), {}
+def _open_at_end(events) -> dict:
+    """Address -> index in `events` of the allocation still alive there when the events end."""
+    open_ = {}
     for i, (_, _, ptr, size) in enumerate(events):
         if size > 0:
             open_[ptr] = i
-        elif ptr in open_:
-            freed.add(open_.pop(ptr))
+        else:
+            open_.pop(ptr, None)
+    return open_
+
+
+def _peak(events, left_out=frozenset()) -> int:
+    """The most bytes alive at once in the allocations of `events` whose indices are not in `left_out` (frees of
+    memory allocated before the events, or left out, change nothing)."""
     live = peak = 0
     sizes: dict = {}
     for i, (_, _, ptr, size) in enumerate(events):
         if size > 0:
-            if i in freed:
+            if i not in left_out:
                 sizes[ptr] = size
                 live += size
                 peak = max(peak, live)
         elif ptr in sizes:
             live -= sizes.pop(ptr)
     return peak
+
+
+def transient_peak(events) -> int:
+    """The most bytes alive at once in allocations that are freed before `events` end: what a call allocated for
+    itself and gave back (temporaries, scratch), leaving out what it made to keep (model state, results)."""
+    return _peak(events, set(_open_at_end(events).values()))
 
 
 def _storages(keep) -> set:
@@ -95,38 +106,9 @@ def measure(fn, *, keep=(), device="cpu") -> Footprint:
         fn()
     kept_ptrs = _storages(keep() if callable(keep) else keep)
     events = allocations(prof, device_type)
-    # an allocation is kept if it is alive at the end at a kept address
-    alive: dict = {}
-    for _, _, ptr, size in events:
-        if size > 0:
-            alive[ptr] = size
-        else:
-            alive.pop(ptr, None)
-    kept_at_end = {p for p in alive if p in kept_ptrs}
-    # the last allocation at each kept address is the kept one
-    last = {}
-    for i, (_, _, ptr, size) in enumerate(events):
-        if size > 0 and ptr in kept_at_end:
-            last[ptr] = i
-    kept_index = set(last.values())
-    live = live_all = peak = peak_all = largest = count = 0
-    sizes: dict = {}
-    for i, (_, _, ptr, size) in enumerate(events):
-        if size > 0:
-            count += 1
-            is_kept = i in kept_index
-            sizes[ptr] = (size, is_kept)
-            live_all += size
-            if not is_kept:
-                live += size
-                largest = max(largest, size)
-        else:
-            size_kept = sizes.pop(ptr, None)
-            if size_kept is None:  # freed memory allocated before the call
-                continue
-            live_all -= size_kept[0]
-            if not size_kept[1]:
-                live -= size_kept[0]
-        peak, peak_all = max(peak, live), max(peak_all, live_all)
-    kept = sum(alive[p] for p in kept_at_end)
-    return Footprint(peak=peak_all, excess=peak, kept=kept, allocations=count, largest=largest)
+    # an allocation is kept if it is still alive at a kept address when the call ends
+    kept_index = {i for ptr, i in _open_at_end(events).items() if ptr in kept_ptrs}
+    allocated = [(i, e[3]) for i, e in enumerate(events) if e[3] > 0]
+    return Footprint(peak=_peak(events), excess=_peak(events, kept_index),
+                     kept=sum(events[i][3] for i in kept_index), allocations=len(allocated),
+                     largest=max((n for i, n in allocated if i not in kept_index), default=0))
