@@ -376,7 +376,7 @@ class Budget:
         self.nbytes = nbytes
         self.backend = backend
         self._learns = headroom is None  # Note [Headroom]
-        self.headroom = 0 if headroom is None else -(-headroom // alignment) * alignment
+        self.headroom = 0 if headroom is None else _aligned_up(headroom, alignment)
         self._observe = self._learns
         self._observer: Observer | None = None
         self._outside: int | None = None  # the last block's observed outside peak
@@ -392,7 +392,6 @@ class Budget:
         self._recording = None  # the stream of the last block that ended normally (Note [Step replay])
         self._memory_args = dict(policy=policy, partition=partition, alignment=alignment, cheap_density=cheap_density,
                                  trace_len=trace_len, relocate=relocate)
-        self.arena = None
         self._make_arena()
         self._runtime: Runtime | None = None
         self._mode: _Mode | None = None
@@ -427,7 +426,7 @@ class Budget:
         align = self.memory.table.alignment
         learned = None
         if self._learns and outside is not None:
-            learned = min(-(-outside // align) * align, self.nbytes - align)
+            learned = min(_aligned_up(outside, align), self.nbytes - align)
             if self._observed >= 2:  # after the first two observed blocks it only grows: the learning ends
                 learned = max(learned, self.headroom)
             self._observed += 1
@@ -437,7 +436,7 @@ class Budget:
             need = self._stats.lower_bound if self._stats is not None else 0
             then = (f"; from the next block on, the arena is {_fmt(self.nbytes - learned)} and the rest of the "
                     f"budget is kept for them (headroom=<bytes> sets it from the start)" if change else
-                    f": pass a headroom of at least {_fmt(-(-outside // align) * align)}, or headroom=None to learn it")
+                    f": pass a headroom of at least {_fmt(_aligned_up(outside, align))}, or headroom=None to learn it")
             if change and self.nbytes - learned < need:
                 then += (f". That arena is below this step's lower bound of {_fmt(need)} (its largest op's working "
                          f"set plus unevictable bytes): the next block will raise OutOfBudget; a budget of at least "
@@ -654,6 +653,11 @@ class Budget:
                          and self.headroom % align == 0 and 0 <= self.headroom <= self.nbytes - align,
                          f"the budget of {self.nbytes} bytes is not split into an arena of {self.arena.nbytes} and a "
                          f"headroom of {self.headroom}")
+
+
+def _aligned_up(n: int, alignment: int) -> int:
+    """`n` bytes rounded up to a multiple of `alignment` (0 stays 0, unlike BlockTable.round_up)."""
+    return -(-n // alignment) * alignment
 
 
 def _integer(v):
