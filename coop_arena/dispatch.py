@@ -100,8 +100,47 @@ def _refuse_storage_offset(func, args, kwargs) -> None:
                                   "outside the block")
 
 
+# Note [Gradients of leaves]
+# Rationale: a leaf's gradient is model state (Rule 1): it lives outside the arena once autograd has accumulated it.
+#   Placed in the arena first and copied out, the largest weight gradient (a 392 MiB classifier weight) set the
+#   step's lower bound, though its bytes are not the step's, and its copy doubled the traffic.
+# Approach: an op run by the autograd engine in backward, with grad mode off (no create_graph), whose node feeds a
+#   leaf's AccumulateGrad directly or through nodes with one edge each (a `t()` or view of the result), and whose
+#   fresh output has that leaf's dtype and number of elements while the leaf has no gradient yet (autograd then
+#   takes the tensor itself as `.grad`), computes that output as a plain tensor outside the arena, like the
+#   gradient it becomes (`_leaf_gradients`). Each leaf is claimed once per node run; a tuple output (convolution's
+#   backward) is matched to the node's edges by position when their numbers agree.
+# Limitations: the match is by dtype and size, so an activation gradient of the same size computed first in the
+#   same node (a square Linear's input gradient at a batch equal to its width) may be the one left outside: it
+#   stays correct, outside the arena and seen by the footprint's headroom, not counted in the arena. A leaf that
+#   already has a gradient accumulates into it: the new one is a temporary of the step and goes in the arena.
+_ACCUMULATE = "torch::autograd::AccumulateGrad"
+
+
+def _grad_sinks(node) -> list:
+    """The leaves (tensors) whose AccumulateGrad `node` feeds, per edge (None where an edge feeds none): directly,
+    or through a chain of nodes with one edge each (Note [Gradients of leaves])."""
+    out = []
+    for f, _ in node.next_functions:
+        for _ in range(4):
+            if f is None or f.name() == _ACCUMULATE:
+                break
+            edges = [g for g, _ in f.next_functions if g is not None]
+            f = edges[0] if len(edges) == 1 else None
+        var = getattr(f, "variable", None) if f is not None and f.name() == _ACCUMULATE else None
+        out.append(var if var is not None and var.grad is None else None)
+    return out
+
+
 # Ops whose output shape, or a Python value they return, depends on tensor values (Dispatch._call_op)
 _DATA_DEPENDENT = {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output}
+
+
+def _numel(size) -> int:
+    n = 1
+    for d in size:
+        n *= d
+    return n
 
 
 def _named(call: _Call, name: str) -> tuple:
@@ -250,6 +289,7 @@ class Dispatch:
         self.bookkeeping = runtime.bookkeeping         # other engines' work, run outside the arena (or None)
         self._ext_readers: dict[int, list] = {}     # external storage key -> weakrefs of storages reading it
         self._ext_refs = self._ext_kept = 0          # weakrefs in _ext_readers now / after the last prune
+        self._claimed = (None, set())                # (autograd node, ids of the leaves it already gave a gradient)
 
     # ============================================================================================ dispatch
     def run(self, func, args, kwargs):
@@ -389,6 +429,11 @@ class Dispatch:
         plan = placement.plan_for(call.func, call.op, call.args, call.kwargs, self.device.type,
                                   sizing=self.runtime.sizing and not call.op.uninitialized,
                                   flat=(call.leaves, call.spec))
+        if not torch.is_grad_enabled() and not isinstance(plan, placement.Sizing) and not (plan is not None and plan.aliases):
+            leaf_outputs = self._leaf_gradients(call, plan)
+            if leaf_outputs:  # Note [Gradients of leaves]
+                self._bind(call, owner)
+                return self._run_temporary(call, plan, plain_outputs=leaf_outputs)
         if isinstance(plan, placement.Sizing):  # a new shape, sized by the device: Note [Shapes that change]
             self._bind(call, owner)
             result = self._run_temporary(call, None, direct=plan.like.out_op is not None or call.op.uninitialized)
@@ -414,6 +459,33 @@ class Dispatch:
             return self._run_decomposed(call)
         self._bind(call, owner)
         return self._run_temporary(call, plan)
+
+    def _leaf_gradients(self, call: _Call, plan) -> frozenset:
+        """The positions of this op's outputs that become a leaf's gradient and so are computed outside the arena
+        (Note [Gradients of leaves]); empty for most ops."""
+        node = torch._C._current_autograd_node()
+        if node is None or plan is None or node.name() == _ACCUMULATE:
+            return frozenset()
+        sinks = _grad_sinks(node)
+        if not any(v is not None for v in sinks):
+            return frozenset()
+        if self._claimed[0] is not node:
+            self._claimed = (node, set())
+        claimed = self._claimed[1]
+        outs = plan.outputs
+        by_position = len(outs) > 1 and len(outs) == len(sinks)
+        found = set()
+        for j, spec in enumerate(outs):
+            if spec is None:
+                continue
+            for k in ([j] if by_position else range(len(sinks))):
+                v = sinks[k]
+                if (v is not None and id(v) not in claimed and v.dtype == spec.dtype
+                        and v.numel() == _numel(spec.size) and v.device.type == self.device.type):
+                    claimed.add(id(v))
+                    found.add(j)
+                    break
+        return frozenset(found)
 
     def _lifted(self, t: torch.Tensor):
         """`torch.tensor(data)`, `as_tensor(list)`, `t.new_tensor(data)` in the block: PyTorch makes the tensor from
@@ -659,7 +731,8 @@ class Dispatch:
             self._note_external_reads(ops.flatten(recipe.args, recipe.kwargs)[0] if call.trimmed else call.recorded,
                                       [s for s in placed if s.payload.recipe is not None])
 
-    def _run_temporary(self, call: _Call, plan, host: bool = False, direct: bool = False):
+    def _run_temporary(self, call: _Call, plan, host: bool = False, direct: bool = False,
+                       plain_outputs: frozenset = frozenset()):
         """The op computes its outputs into temporaries; each is copied into its own range at once, except those
         left outside the arena (`host`: all of them, see _host_index; _HOST_OUTPUTS). `direct`: a dry run places
         this call's outputs directly (_run_direct), before the clock moves by its cost: so are they here, so that
@@ -693,7 +766,7 @@ class Dispatch:
                 if isinstance(o, torch.Tensor) and self.arena.owns(o):  # it aliases an input: a view
                     out_leaves[j] = self._wrap_alias(o, call.inputs, func)
                 elif (isinstance(o, torch.Tensor) and o.device == self.device and o.numel() > 0
-                      and not host and j not in _HOST_OUTPUTS.get(func, ())
+                      and not host and j not in _HOST_OUTPUTS.get(func, ()) and j not in plain_outputs
                       and o.untyped_storage()._cdata not in outside):
                     alive += o.numel() * o.element_size()
                     out_leaves[j] = self._place_output(o, recipe, j, call.inputs, evictable, func, placed)
