@@ -11,20 +11,21 @@ Note [Chain model]
 Rationale: "overhead within 1.25x of the optimal schedule" needs the optimum under the engine's own accounting,
   not a textbook one. So nothing here is a constant: `measure` runs one step with ample memory and records every
   event as the engine saw it (the storages each op read and produced, their aligned sizes and analytic costs from
-  coop_arena/cost.py, the gradient reads of the post-accumulate-grad hooks, what was still alive at exit), and
-  the model below is derived from that record.
+  coop_arena/cost.py, the gradient reads of the post-accumulate-grad hooks if any, what was still alive at
+  exit), and the model below is derived from that record.
 Approach (the engine's accounting, runtime.py and memory.py):
   - Memory is counted in alignment units (512-byte blocks); a storage occupies its rounded-up size from the op
     that places it until it is evicted or freed. Parameters and the input are outside the arena (Rule 1).
-  - An op needs its arena inputs and its outputs resident at once. A parameter's gradient is placed when produced
-    and read once more by the post-accumulate-grad hook (`_grad_leaves_arena`), which copies it out: it is in
-    the arena only between the two. Evicting a storage costs nothing; rebuilding it replays its recipe (same
-    cost as the op) with the recipe's inputs resident.
+  - An op needs its arena inputs and its outputs resident at once. A parameter's gradient is not in the arena:
+    the op that produces it computes it outside (Note [Gradients of leaves] in coop_arena/dispatch.py), so the
+    weight-gradient mm of a layer reads its input activation and the output gradient and places nothing, and
+    no hook reads anything. Evicting a storage costs nothing; rebuilding it replays its recipe (same cost as the
+    op) with the recipe's inputs resident.
   - Storages the user code still holds when the block ends (here the output of the last layer, the `out` of
     `plan.step`) must be resident at exit: `finish()` replays them, and that replay counts as recompute.
   - The chain: forward storages v_1..v_2N (addmm outputs h_i, tanh outputs a_i), each op reading only the one
     before. Nodes are the forward storages read after the forward (a_1..a_N); everything else is "fixed": the
-    loss, the gradient seed, activation gradients, parameter gradients.
+    loss, the gradient seed, activation gradients.
   The schedules optimized over ("checkpointing schedules"): the program's ops run once, in order; forward
   storages may be evicted at any time and rebuilt from their recipes; fixed storages live from their op to
   their last read. Within that class `optimal_recompute` is exact, given the structure `chain_of` checks (it
@@ -35,22 +36,37 @@ Approach (the engine's accounting, runtime.py and memory.py):
     That is the structure of revolve / Rotor: a segment (s, i] with a_s resident is served by computing
     forward to some a_j, keeping it, serving (j, i] recursively with a_j held, then (s, j].
   - A node's reads form "units" (reads with no op between them). Between two units the node may go and be
-    rebuilt, which pays when the ops between need more memory than the reads: a_i is read by the weight-gradient
-    mm of layer i + 1 and again by tanh_backward of layer i, and in between the bias-gradient sum runs while the
-    weight gradient waits for its hook. Each unit is a step of the recursion of its own.
-  - A rebuild happens just before the op that reads the node (the engine restores lazily). `chain_of` checks
-    that no earlier moment is better: either the rebuild cannot bind (what the backward holds then plus the
-    largest op of a forward step fits within the node and the op that reads it), or nothing held since the
-    previous read is smaller than what is held then.
+    rebuilt, which pays when the ops between need more memory than the reads (a_i is read by the weight-gradient
+    mm of layer i + 1 and again by tanh_backward of layer i, with the bias-gradient sum between; on this chain
+    keeping a_i across costs nothing, so the two are one unit). Each unit is a step of the recursion of its own.
+  - The moment of a rebuild is part of the schedule. The engine restores lazily, just before the op that reads
+    the node, but that is not always the best moment: the weight-gradient mm of layer i + 1 that first reads
+    a_i runs after the mm that made the gradient of a_i, so just before it the backward holds two activation
+    gradients, and just before that mm only one. Rebuilding a_i then (from a_{i-1} or a checkpoint: a forward
+    step of h_i and a_i) needs 8 blocks less at the price of holding a_i across that mm; with the weight
+    gradient in the arena the read itself needed more than either, and the lazy moment was the best. So each
+    unit carries its "moments": for every event from just after the previous read (of node i + 1, or of node i
+    for a later unit) to the read, the memory the backward holds then (`window`) and the memory of the events
+    from then to the read with the node resident (`hold`), those no other moment beats in both. The DP picks
+    one moment per rebuild and takes it for the whole recursion of that rebuild (the checkpoints it makes on
+    the way are made then too, and held, in the shifted memory, from then on). `chain_of` checks that splitting
+    one rebuild over two moments never beats doing all of it at one: holding the node from the earlier moment
+    a to the later b (at most the events' memory plus the node) must need no more than rebuilding the node at b
+    would (what the backward holds at b plus the forward step into the node), wherever the earlier moment holds
+    no more than the later. A moment before the previous read is not considered: the node read there (or the
+    node itself, kept) is resident then.
   - The exit: a_N is produced at exit from the highest node h still resident then, which the schedule holds
-    from its last read to the end (h = N: a_N kept; none: rebuilt from the input). The DP carries "the holder is
-    in this segment, of size sigma" as part of its state, which keeps it exact.
+    from its last read to the end (h = N: a_N kept; none: rebuilt from the input). The replay needs what the
+    backward holds at exit, h and the peak of the forward from h to N (`exit_need`). The DP carries "the holder
+    is in this segment, of size sigma, with that exit need" as part of its state, and applies the exit need to
+    the final budget, which keeps it exact.
   - The recursion only looks at per-node classes (sizes, costs, memory thresholds), so segments with the same
     sequence of classes share one memo entry; the interior layers of the chain are all alike, which is what makes
     N = 400 take seconds (about N^2 vector operations over the budgets).
   tests/test_chain_optimum.py checks the DP against an exhaustive search over checkpointing schedules of the
   recorded events (every forward storage may be kept, rebuilds at any moment) at every budget on 1 to 4 layers
-  and at six budgets on 5 (all budgets on 5 and 6 layers agreed when run by hand).
+  and at six budgets on 5. The moments matter: the smallest budget of 3 layers is 24 blocks, where rebuilding
+  only at the reads needs 32 (on 2 layers, 24 against 25).
 Limitations (what the optimum is a bound of, and what it is not):
   - Placement is ignored: any set of blocks whose sizes fit the usable arena is taken to fit. The engine needs a
     contiguous free range per request, so fragmentation can only make it worse: in that respect the optimum is
@@ -61,13 +77,14 @@ Limitations (what the optimum is a bound of, and what it is not):
     the backward from the gradient seed down to that layer. An exhaustive search that allows this the way the
     runtime does it (rebuilt when read or as an input of such a rebuild, gone once its wrapper died;
     tests/test_chain_optimum.py, gradients=True, 2 layers in the tests and 3 by hand) finds the same least cost
-    at every budget where a checkpointing schedule fits, and fits budgets below the DP's smallest one (down to
-    48 blocks instead of 56, at a higher cost). That is evidence, not a proof, that for the runtime as it is the
-    optimum is a lower bound wherever it is finite (placement aside). If dead storages stayed resident (issue 8
-    asks to keep dead ancestors of evicted storages), a gradient could be rebuilt by one op before its inputs
-    go; the same search, with storages kept past their wrappers, then finds on 2 layers between 57 and 64 blocks
-    a schedule that replays one mm (32,768) where the optimum replays one layer's forward (41,216): the optimum
-    would then not be a bound near the peak.
+    at every budget where a checkpointing schedule fits, and fits no budget below the DP's smallest one (with
+    the weight gradients in the arena it fitted down to 48 blocks where the DP needed 56). That is evidence,
+    not a proof, that for the runtime as it is the optimum is a lower bound wherever it is finite (placement
+    aside). If dead storages stayed resident (issue 8 asks to keep dead ancestors of evicted storages), a
+    gradient could be rebuilt by one op before its inputs go; with the weight gradients in the arena the same
+    search, with storages kept past their wrappers, found on 2 layers between 57 and 64 blocks a schedule that
+    replayed one mm (32,768) where the optimum replayed one layer's forward (41,216), so the optimum would then
+    not be a bound near the peak (not run again since the weight gradients left the arena).
 """
 
 from __future__ import annotations
@@ -230,7 +247,9 @@ class Unit:
 
     need: int    # memory of the events from its first read to the next unit (the node counted up to its last read)
     keep: int    # memory of the events after its last read, up to the next unit, with the node kept (0: last unit)
-    window: int  # memory the backward holds when the node is rebuilt, just before the unit's first read
+    moments: tuple  # the moments worth rebuilding the node at for this unit, as (window, hold) pairs: the memory
+                    # the backward holds then, and the memory of the events from then up to the unit's first read
+                    # with the node resident (0: rebuilt just before that read)
 
 
 @dataclass(frozen=True)
@@ -243,6 +262,7 @@ class Chain:
     peak_dropped: tuple  # memory they need counting node i-1, a transient dropped after its last read
     units: tuple         # the reads of node i after the forward, as Units in program order
     tail: tuple          # memory from its last read to the end of its phase with node i held (the exit's holder)
+    exit_need: tuple     # memory the exit needs with node i its holder (index 0: no holder, node n from the input)
     exit_reads_top: bool  # the exit needs node n (the user still holds it)
     compute_cost: float
 
@@ -251,7 +271,8 @@ class Chain:
         return len(self.size) - 1
 
     def node_class(self, i: int) -> tuple:
-        return (self.size[i], self.fwd[i], self.peak_kept[i], self.peak_dropped[i], self.units[i], self.tail[i])
+        return (self.size[i], self.fwd[i], self.peak_kept[i], self.peak_dropped[i], self.units[i], self.tail[i],
+                self.exit_need[i])
 
 
 def chain_of(p: Program) -> Chain:
@@ -285,7 +306,6 @@ def chain_of(p: Program) -> Chain:
         fwd.append(sum(p.cost[s] for s in stage))
         kept.append(max([z[stage[0]]] + pairs))
         dropped.append(max([size[i - 1] + z[stage[0]]] + pairs))
-    step_peak = max(max(kept), max(dropped))
     # the events after the forward: memory of fixed storages during each (live) and just before it (before)
     exit_e = len(ev) - 1
     created, last = {}, {}
@@ -317,6 +337,26 @@ def chain_of(p: Program) -> Chain:
     if len(reads) < n:
         raise NotAChain(f"nodes {sorted(set(range(1, n + 1)) - set(reads))} are read only at exit")
     start = {i: (reads[i][0] if i < n else nf) for i in range(1, n + 1)}
+
+    def rebuild_moments(i: int, t: int, first: int) -> tuple:
+        """(window, hold) of every moment from just after the previous read (of node i + 1 for the first unit, of
+        node i for a later one) to just before `first` at which the rebuild of node i could happen, those no
+        other moment beats in both. A rebuild split over two moments (the checkpoints of the recursion at the
+        earlier, the rest later) is never better when holding the node from the earlier moment to the later
+        needs no more than the later one's rebuild would: `chain_of` checks that, NotAChain otherwise."""
+        since = reads[i][reads[i].index(first) - 1] if t else (reads[i + 1][-1] if i < n else first - 1)
+        cands = [(int(before[e]), int(max(live[e:first])) + size[i] if e < first else 0, e)
+                 for e in range(since + 1, first + 1)]
+        for wa, _, a in cands:  # a split rebuild, begun at a and ended at b, against all of it at a
+            for wb, _, b in cands:
+                if a < b and wa <= wb and int(max(live[a:b])) + size[i] > wb + kept[i]:
+                    raise NotAChain(f"rebuilding node {i} partly before event {a} and partly before {b} could "
+                                    f"be cheaper than at either")
+        best = []
+        for w, h, _ in sorted(cands):
+            if not best or h < best[-1][1]:
+                best.append((w, h))
+        return tuple(best)
     units, tail = [()], [0]
     for i in range(1, n + 1):
         end = start[i - 1] if i > 1 else exit_e  # the phase of node i: events start[i] .. end - 1
@@ -332,24 +372,20 @@ def chain_of(p: Program) -> Chain:
             span = range(firsts[t], firsts[t + 1])
             need = int(max(live[e] + (size[i] if e <= g[-1] else 0) for e in span))
             keep = int(max(live[g[-1] + 1:firsts[t + 1]], default=0)) + size[i] if t + 1 < len(groups) else 0
-            window = 0 if (i == n and t == 0) else int(before[g[0]])
-            # the rebuild happens right before the read (the engine restores lazily); that is the best moment if
-            # it cannot bind, or if nothing held since the previous read is smaller than what is held then
-            since = reads[i][reads[i].index(g[0]) - 1] if t else (reads[i + 1][-1] if i < n else g[0] - 1)
-            if window and window + step_peak > size[i] + live[g[0]] and window > min(before[since + 1:g[0] + 1]):
-                raise NotAChain(f"rebuilding node {i} before event {g[0]} could bind, and earlier is cheaper")
+            moments = ((0, 0),) if (i == n and t == 0) else rebuild_moments(i, t, g[0])
             if u and keep_prev <= max(u[-1].need, need):  # keeping the node across costs no memory: one unit
-                u[-1] = Unit(max(u[-1].need, keep_prev, need), keep, u[-1].window)
+                u[-1] = Unit(max(u[-1].need, keep_prev, need), keep, u[-1].moments)
             else:
-                u.append(Unit(need, keep, window))
+                u.append(Unit(need, keep, moments))
             keep_prev = keep
         units.append(tuple(u))
         tail.append(int(max(live[reads[i][-1]:end])) + size[i])
-    exit_need = step_peak + int(live[exit_e])
-    if exit_nodes and any(exit_need + size[i] > tail[i] or exit_need > units[i][0].need for i in range(1, n + 1)):
-        raise NotAChain(f"rebuilding the output at exit needs {exit_need} units: it could bind")
-    return Chain(tuple(size), tuple(fwd), tuple(kept), tuple(dropped), tuple(units), tuple(tail), bool(exit_nodes),
-                 p.compute_cost)
+    # the exit replays node n from its holder h (resident, nothing else of the chain is), the intermediate nodes
+    # going as soon as the next one is made: the peak of the forward from h to n
+    exit_need = [int(live[exit_e]) + size[h] + max([kept[h + 1]] + list(dropped[h + 2:]) if h < n else [0])
+                 for h in range(n + 1)]
+    return Chain(tuple(size), tuple(fwd), tuple(kept), tuple(dropped), tuple(units), tuple(tail),
+                 tuple(exit_need), bool(exit_nodes), p.compute_cost)
 
 
 # ======================================================================================================== DP
@@ -377,7 +413,9 @@ class Solver:
         self.c = chain
         self.m = units + 1
         n = chain.n
-        self.sigmas = sorted(set(chain.size[1:])) if chain.exit_reads_top else []
+        # the exit's holder by (size, memory the exit needs with it)
+        self.sigmas = sorted({(chain.size[h], chain.exit_need[h]) for h in range(1, n + 1)}) \
+            if chain.exit_reads_top else []
         self.prefix = np.concatenate([[0.0], np.cumsum(chain.fwd[1:])])
         classes, runs = {}, []  # runs of equal node classes: (first node, last node, class id)
         for i in range(1, n + 1):
@@ -389,7 +427,8 @@ class Solver:
         self._run_starts = [r[0] for r in runs]
         self._runs = runs
         self._keys: dict = {}
-        self.seg: dict = {}
+        self.seg: dict = {}      # (key, t) -> Seg over all rebuild moments
+        self.seg_at: dict = {}   # (key, t, o) -> Seg with node i rebuilt at its unit's moment o
         self.held: dict = {}
         self.curve = self._solve()
 
@@ -429,8 +468,8 @@ class Solver:
         else:
             below = self.seg[(self.key(s, j - 1), 0)] if j - 1 > s else self._empty()
             v = below.copy()
-            for q, sigma in enumerate(self.sigmas, 1):
-                if sigma == c.size[j]:  # node j is the holder
+            for q, (sigma, _) in enumerate(self.sigmas, 1):
+                if (c.size[j], c.exit_need[j]) == self.sigmas[q - 1]:  # node j is the holder
                     w = self._shift(below[0], sigma) - (self.prefix[j] - self.prefix[s])
                     w[:c.tail[j]] = np.inf
                     v[q] = np.minimum(v[q], w)
@@ -438,24 +477,26 @@ class Solver:
         self.held[k] = v
         return v
 
-    def _seg(self, s: int, i: int, t: int) -> np.ndarray:
+    def _seg(self, s: int, i: int, t: int, o: int) -> np.ndarray:
         c = self.c
+        window, hold = c.units[i][t].moments[o]
         best = np.full((1 + len(self.sigmas), self.m), np.inf)
         peak = 0
         for j in range(s + 1, i + 1):
             forward = self.prefix[j] - self.prefix[s]
             peak = max(peak, c.peak_kept[j] if j == s + 1 else c.peak_dropped[j])
-            need = c.units[i][t].window + peak
+            need = window + peak
             if need >= self.m:
                 break  # the peak only grows with j
             if j < i:
-                x = self._shift(self.seg[(self.key(j, i), t)], c.size[j])
+                x = self._shift(self.seg_at[(self.key(j, i), t, o)], c.size[j])
                 h = self._held(s, j, 0)
                 cand = forward + x[0] + h
-                for q, sigma in enumerate(self.sigmas, 1):  # the holder in (j, i]: Held(s, j) has sigma less
+                for q, (sigma, _) in enumerate(self.sigmas, 1):  # the holder in (j, i]: Held(s, j) has sigma less
                     cand[q] = np.minimum(cand[q], x[q] + self._shift(h[0], sigma))
             else:
                 cand = forward + self._held(s, i, t)
+                cand[:, :hold] = np.inf  # node i resident from the rebuild to its read
             cand[:, :need] = np.inf
             np.minimum(best, cand, out=best)
         return best
@@ -468,9 +509,15 @@ class Solver:
                 k = self.key(s, i)
                 for t in reversed(range(len(self.c.units[i]))):
                     if (k, t) not in self.seg:
-                        self.seg[(k, t)] = self._seg(s, i, t)
-        top = self.seg[(self.key(0, n), 0)]
-        return top.min(axis=0) if self.c.exit_reads_top else top[0] - self.prefix[n]
+                        for o in range(len(self.c.units[i][t].moments)):
+                            self.seg_at[(k, t, o)] = v = self._seg(s, i, t, o)
+                            self.seg[(k, t)] = np.minimum(self.seg.get((k, t), v), v)
+        top = self.seg[(self.key(0, n), 0)].copy()
+        if not self.c.exit_reads_top:
+            return top[0] - self.prefix[n]
+        for q, need in enumerate([self.c.exit_need[0]] + [x for _, x in self.sigmas]):
+            top[q, :need] = np.inf  # the exit's replay from its holder (from the input for q = 0)
+        return top.min(axis=0)
 
 
 _SOLVERS: dict[int, Solver] = {}

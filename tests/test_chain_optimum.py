@@ -4,8 +4,9 @@ The exhaustive search works on the recorded events themselves (every op, view, h
 the per-node numbers the DP uses: a shortest path over (next event, set of resident storages) where any forward
 storage - intermediates included - may be dropped at any moment for free or rebuilt at any moment from its
 recipe at its cost, and every other storage lives from its op to its last read. That is the class of schedules
-the DP claims to be exact for, with rebuilds not tied to the op that reads them. With gradients=True it also
-lets every other storage go and come back the way the runtime rebuilds them (Note [Chain model], Limitations).
+the DP claims to be exact for, with rebuilds not tied to the op that reads them (the DP chooses the moment of
+each rebuild too, Note [Chain model]). With gradients=True it also lets every other storage go and come back the
+way the runtime rebuilds them (Note [Chain model], Limitations).
 """
 
 from __future__ import annotations
@@ -117,9 +118,10 @@ def test_dp_equals_exhaustive_search_at_every_budget(n_layers):
         assert got == want, f"{n_layers} layers, {units} units: DP {got}, exhaustive {want}"
         costs.append(got)
     # closed cases: nothing fits below the largest single event; every storage kept from its op to its last
-    # read needs no recompute, one block less does
+    # read needs no recompute, one block less does (on one layer the two are the same budget: its weight
+    # gradient is outside the arena, and the event that reads its activation holds everything kept anyway)
     assert costs[:2] == [None, None] and costs[2] is not None
-    assert costs[-2] == 0.0 and costs[-3] > 0.0
+    assert costs[-2] == 0.0 and (costs[-3] > 0.0 if hi > lo else (n_layers, lo) == (1, hi))
     feasible = costs[2:]
     assert all(a >= b for a, b in zip(feasible, feasible[1:]))  # more memory never costs more
     if n_layers >= 3:
@@ -134,9 +136,11 @@ def test_dp_equals_exhaustive_search_on_five_layers():
         assert chain.optimal_recompute(n, units * p.alignment) == exhaustive(p, units), units
 
 
-def test_gradient_rebuilds_fit_lower_but_never_beat_the_optimum():
+def test_gradient_rebuilds_neither_fit_lower_nor_beat_the_optimum():
     """Note [Chain model], Limitations: evicting gradients too, rebuilt as the runtime rebuilds them, gives the
-    same least cost wherever a checkpointing schedule fits, and fits some budgets below the DP's smallest."""
+    same least cost wherever a checkpointing schedule fits, and fits no budget below the DP's smallest (with the
+    weight gradients in the arena it did: 48 blocks instead of 56; outside it, the activation gradients an
+    event holds are its own inputs and outputs)."""
     n = 2
     p = chain.measure(n)
     lo, hi = needs(p)
@@ -148,7 +152,7 @@ def test_gradient_rebuilds_fit_lower_but_never_beat_the_optimum():
             below.append(gr)
         else:
             assert gr == dp, f"{units} units: with gradient rebuilds {gr}, DP {dp}"
-    assert below and all(b is not None for b in below)
+    assert len(below) == 8 and all(b is None for b in below)
 
 
 def test_closed_cases():
@@ -219,7 +223,8 @@ def test_a_planned_step_holds_the_models_output_until_the_block_ends():
     n = 100
     p = chain.measure(n)
     model, inputs = chain.build(n)
-    budget = coop_arena.Budget(int(0.2 * p.plain_peak), device="meta", **CONFIGS["dtr"])
+    # at 0.2 of the peak DTR keeps the output; at 0.15 it evicts it (the peak no longer has weight gradients)
+    budget = coop_arena.Budget(int(0.15 * p.plain_peak), device="meta", **CONFIGS["dtr"])
     step(model, inputs, budget)
     assert budget.stats.evictions > 0
     assert budget.stats.exit_rematerializations > 0  # the evicted output came back to be copied out
