@@ -465,7 +465,14 @@ class Remat:
         self.counters.frozen += 1
 
     def make_unevictable(self, s: Storage) -> None:
-        self._freeze_old_readers(s)
+        resident = s.state is State.RESIDENT
+        if resident:  # restoring its readers must not evict it: it would be evicted without a recipe
+            self.memory.pin(s)
+        try:
+            self._freeze_old_readers(s)
+        finally:
+            if resident:
+                self.memory.unpin(s)
         s.payload.drop_recipe()
         if s.evictable:
             self.memory.make_unevictable(s)
