@@ -30,7 +30,7 @@ import weakref
 import numpy as np
 import torch
 
-from . import collectives, ops, placement
+from . import collectives, headroom, ops, placement
 from .arena import grew
 from .bookkeeping import run_outside
 from .cost import op_cost
@@ -109,11 +109,20 @@ def _refuse_storage_offset(func, args, kwargs) -> None:
 #   fresh output has that leaf's dtype and number of elements while the leaf has no gradient yet (autograd then
 #   takes the tensor itself as `.grad`), computes that output as a plain tensor outside the arena, like the
 #   gradient it becomes (`_leaf_gradients`). Each leaf is claimed once per node run; a tuple output (convolution's
-#   backward) is matched to the node's edges by position when their numbers agree.
+#   backward) is matched to the node's edges by position when their numbers agree. At a new shape sized by the
+#   device (Note [Shapes that change]) the outputs are matched once the op has run: a dry run, which has a plan
+#   there, leaves the same ones outside, so the CPU and meta make the same decisions.
+#   An op that reads the leaf itself (or a view of it) is not taken to make its gradient: a square Linear's input
+#   gradient (`grad @ weight`, at a batch equal to its width) has the weight's size, and came first.
 # Limitations: the match is by dtype and size, so an activation gradient of the same size computed first in the
-#   same node (a square Linear's input gradient at a batch equal to its width) may be the one left outside: it
-#   stays correct, outside the arena and seen by the footprint's headroom, not counted in the arena. A leaf that
+#   same node by an op that does not read the leaf may be the one left outside: it stays correct, outside the
+#   arena and seen by the footprint's headroom (a temporary there), not counted in the arena. A gradient an op
+#   computes from the leaf itself (`w * w`) goes in the arena and is copied out, as before. A leaf that
 #   already has a gradient accumulates into it: the new one is a temporary of the step and goes in the arena.
+#   The op runs inside `headroom.model_state()`, so that the headroom's observer leaves the gradient out even
+#   when the block frees it (`p.grad = None` after an update in it), as it leaves out a gradient copied out of
+#   the arena; the op's other outputs (convolution's input gradient), temporaries copied into the arena, are
+#   then left out of the observed peak too.
 _ACCUMULATE = "torch::autograd::AccumulateGrad"
 
 
@@ -130,6 +139,21 @@ def _grad_sinks(node) -> list:
         var = getattr(f, "variable", None) if f is not None and f.name() == _ACCUMULATE else None
         out.append(var if var is not None and var.grad is None else None)
     return out
+
+
+def _feeds_leaves() -> bool:
+    """Whether the autograd node running now feeds a leaf that has no gradient yet (Note [Gradients of leaves])."""
+    node = torch._C._current_autograd_node()
+    return node is not None and node.name() != _ACCUMULATE and any(v is not None for v in _grad_sinks(node))
+
+
+def _reads_leaf(call, v) -> bool:
+    """Whether the op reads the leaf `v` (or a view of it): then its output of v's size is taken for another
+    gradient (Note [Gradients of leaves]), as a square Linear's input gradient, `grad @ weight`, is."""
+    if isinstance(v, Tensor):
+        s = v._cell.storage
+        return any(x is s for x in call.inputs)
+    return any(a is v or (isinstance(a, torch.Tensor) and a._base is v) for a in call.leaves)
 
 
 # Ops whose output shape, or a Python value they return, depends on tensor values (Dispatch._call_op)
@@ -429,14 +453,17 @@ class Dispatch:
         plan = placement.plan_for(call.func, call.op, call.args, call.kwargs, self.device.type,
                                   sizing=self.runtime.sizing and not call.op.uninitialized,
                                   flat=(call.leaves, call.spec))
-        if not torch.is_grad_enabled() and not isinstance(plan, placement.Sizing) and not (plan is not None and plan.aliases):
-            leaf_outputs = self._leaf_gradients(call, plan)
+        if (not torch.is_grad_enabled() and plan is not None and not isinstance(plan, placement.Sizing)
+                and not plan.aliases):
+            leaf_outputs = self._leaf_gradients(call, [None if o is None else (o.dtype, _numel(o.size))
+                                                       for o in plan.outputs])
             if leaf_outputs:  # Note [Gradients of leaves]
                 self._bind(call, owner)
                 return self._run_temporary(call, plan, plain_outputs=leaf_outputs)
         if isinstance(plan, placement.Sizing):  # a new shape, sized by the device: Note [Shapes that change]
-            self._bind(call, owner)
-            result = self._run_temporary(call, None, direct=plan.like.out_op is not None or call.op.uninitialized)
+            self._bind(call, owner)  # (its outputs are known once it has run: so are the leaves' gradients)
+            result = self._run_temporary(call, None, direct=plan.like.out_op is not None or call.op.uninitialized,
+                                         leaf_gradients=not torch.is_grad_enabled())
             placement.sized(plan, list(result) if isinstance(result, (tuple, list)) else [result], call.cost)
             return result
         if plan is not None and plan.aliases:
@@ -460,11 +487,12 @@ class Dispatch:
         self._bind(call, owner)
         return self._run_temporary(call, plan)
 
-    def _leaf_gradients(self, call: _Call, plan) -> frozenset:
-        """The positions of this op's outputs that become a leaf's gradient and so are computed outside the arena
-        (Note [Gradients of leaves]); empty for most ops."""
+    def _leaf_gradients(self, call: _Call, outs: list) -> frozenset:
+        """The positions of this op's outputs (`outs`: (dtype, number of elements) of each, None where not a
+        tensor) that become a leaf's gradient and so are computed outside the arena (Note [Gradients of leaves]);
+        empty for most ops."""
         node = torch._C._current_autograd_node()
-        if node is None or plan is None or node.name() == _ACCUMULATE:
+        if node is None or not outs or node.name() == _ACCUMULATE:
             return frozenset()
         sinks = _grad_sinks(node)
         if not any(v is not None for v in sinks):
@@ -472,16 +500,16 @@ class Dispatch:
         if self._claimed[0] is not node:
             self._claimed = (node, set())
         claimed = self._claimed[1]
-        outs = plan.outputs
         by_position = len(outs) > 1 and len(outs) == len(sinks)
         found = set()
         for j, spec in enumerate(outs):
             if spec is None:
                 continue
+            dtype, numel = spec
             for k in ([j] if by_position else range(len(sinks))):
                 v = sinks[k]
-                if (v is not None and id(v) not in claimed and v.dtype == spec.dtype
-                        and v.numel() == _numel(spec.size) and v.device.type == self.device.type):
+                if (v is not None and id(v) not in claimed and v.dtype == dtype and v.numel() == numel
+                        and v.device.type == self.device.type and not _reads_leaf(call, v)):
                     claimed.add(id(v))
                     found.add(j)
                     break
@@ -732,19 +760,27 @@ class Dispatch:
                                       [s for s in placed if s.payload.recipe is not None])
 
     def _run_temporary(self, call: _Call, plan, host: bool = False, direct: bool = False,
-                       plain_outputs: frozenset = frozenset()):
+                       plain_outputs: frozenset = frozenset(), leaf_gradients: bool = False):
         """The op computes its outputs into temporaries; each is copied into its own range at once, except those
-        left outside the arena (`host`: all of them, see _host_index; _HOST_OUTPUTS). `direct`: a dry run places
-        this call's outputs directly (_run_direct), before the clock moves by its cost: so are they here, so that
-        the decisions agree (Note [Shapes that change] in placement.py)."""
+        left outside the arena (`host`: all of them, see _host_index; _HOST_OUTPUTS; `plain_outputs`: those that
+        become a leaf's gradient, or with `leaf_gradients` those found to, Note [Gradients of leaves]). `direct`:
+        a dry run places this call's outputs directly (_run_direct), before the clock moves by its cost: so are
+        they here, so that the decisions agree (Note [Shapes that change] in placement.py)."""
         func = call.func
         externals, key, written = self._externals(call, plan)
         probe = self._before_hidden_writes(externals, written)
         rng = capture_rng(self.device, call.op, call.pargs, call.pkwargs)
-        out = self._call_op(call)
+        if plain_outputs or (leaf_gradients and _feeds_leaves()):
+            with headroom.model_state():  # a leaf's gradient is model state: Note [Headroom]
+                out = self._call_op(call)
+        else:
+            out = self._call_op(call)
         if call.op.random is None:  # Note [Custom ops that draw]
             rng = _drew(call, rng)
         out_leaves = list(out) if isinstance(out, (tuple, list)) else [out]
+        if leaf_gradients:
+            plain_outputs = self._leaf_gradients(call, [(o.dtype, o.numel()) if isinstance(o, torch.Tensor) else None
+                                                        for o in out_leaves])
         placement.check_strided(func, out_leaves)
         if plan is not None and self.device.type == "meta" and not plan.aliases:
             out_leaves = [placement.as_planned(o, spec) for o, spec in zip(out_leaves, plan.outputs)]
