@@ -86,7 +86,7 @@ def test_plan_does_not_warn_about_thrashing_it_reports():
     the middle of `coop-arena plan`'s own output; the table already reports the overhead."""
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        r = plan("mlp", 64, "0.25", Console(file=io.StringIO()))
+        r = plan("mlp", 64, "0.2", Console(file=io.StringIO()))  # 1.75-2.2x at 0.25 (the peak has no weight gradients)
     assert max(row["compute_overhead"] for row in r["policies"].values()) > 3.0
 
 

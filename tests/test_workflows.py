@@ -168,10 +168,12 @@ def test_a_parameter_made_in_the_block_trains_there_with_clipping_and_momentum(f
     """A weight made inside the block, trained there by clip_grad_norm_ and SGD with momentum for three steps.
     The momentum buffer (outside the arena) is written into the weight at each step, so the optimizer's next step
     keeps the weight resident for good; the earlier value of the weight, which the first step's activations read,
-    could then no longer be rebuilt, and restoring one of those activations failed with an AttributeError."""
+    could then no longer be rebuilt, and restoring one of those activations failed with an AttributeError.
+    The batch (256) makes the activations larger than the weight: with the weight's gradient outside the arena,
+    a batch of 64 left a window of 1 KiB below the peak where anything could be evicted."""
     def run(budget):
         torch.manual_seed(0)
-        x = torch.randn(64, 64)
+        x = torch.randn(256, 64)
         with budget if budget is not None else contextlib.nullcontext():
             w = torch.randn(64, 64, requires_grad=True)
             opt = torch.optim.SGD([w], lr=0.01, momentum=0.9, foreach=foreach)
@@ -186,7 +188,7 @@ def test_a_parameter_made_in_the_block_trains_there_with_clipping_and_momentum(f
         return [w.detach(), opt.state[w]["momentum_buffer"], *[loss.detach() for loss in losses]]
 
     reference = run(None)
-    for nbytes, evicts in [(256 << 10, False), (96 << 10, True)]:
+    for nbytes, evicts in [(1 << 20, False), (256 << 10, True)]:  # peak: 338 KiB
         budget = coop_arena.Budget(nbytes, device="cpu", policy=policy)
         assert bitwise_equal(reference, run(budget))
         assert (budget.stats.evictions > 0) == evicts
@@ -785,7 +787,8 @@ def test_adversarial_training_through_batch_norm_is_exact(policy):
         adversarial_step(adversarial_model(), x, y)
     peak = probe.stats.peak_bytes
     model = adversarial_model()
-    budget = coop_arena.Budget(int(0.5 * peak), policy=policy)
+    # 0.65: the peak has no weight gradients in it, and below 0.6 of it DTR's placement runs out of contiguous room
+    budget = coop_arena.Budget(int(0.65 * peak), policy=policy)
     with budget:
         loss = adversarial_step(model, x, y)
     assert budget.stats.evictions > 0 and budget.stats.rematerializations > 0
