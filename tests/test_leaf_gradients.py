@@ -1,0 +1,54 @@
+"""A leaf's gradient is computed outside the arena (Note [Gradients of leaves] in coop_arena/dispatch.py): the
+largest weight gradient of a step no longer sets its lower bound."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import coop_arena
+
+HEAD_IN, HEAD_OUT = 512, 1024  # the classifier's weight: 2 MiB, its gradient as large
+
+
+def vgg_like():
+    """Twelve small conv layers (the first with a BatchNorm, for its buffers), then a large Linear classifier
+    head, as VGG's: the head's weight gradient is much larger than any activation of a batch of 2."""
+    torch.manual_seed(0)
+    convs = [m for _ in range(11) for m in (nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())]
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), *convs, nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(HEAD_IN, HEAD_OUT), nn.ReLU(), nn.Linear(HEAD_OUT, 10))
+
+
+def train(budget, steps=3):
+    model = vgg_like()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(2, 3, 16, 16, generator=g), torch.randint(0, 10, (2,), generator=g)
+        with budget if budget is not None else torch.enable_grad():
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    return model
+
+
+def test_a_classifier_heads_weight_gradient_does_not_set_the_lower_bound():
+    head = HEAD_IN * HEAD_OUT * 4
+    plain = train(None)
+    probe = coop_arena.Budget(1 << 26, device="cpu")
+    train(probe)
+    peak, lower_bound = probe.stats.peak_bytes, probe.stats.lower_bound
+    # with the gradient in the arena the bound was above its size (and half the peak did not fit)
+    assert lower_bound < head // 8, (lower_bound, head)
+    assert peak < head // 2  # nor is the gradient in the peak
+
+    budget = coop_arena.Budget(peak // 2, device="cpu")
+    model = train(budget)
+    st = budget.stats
+    assert st.evictions > 0 and st.rematerializations > 0, st
+    assert st.peak_bytes <= st.budget and st.lower_bound < head // 8
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))
+    assert all(torch.equal(b, c) for b, c in zip(model.buffers(), plain.buffers()))
+    assert len(list(model.buffers())) == 3  # the BatchNorm's running mean, variance and count
