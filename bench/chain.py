@@ -65,8 +65,9 @@ Approach (the engine's accounting, runtime.py and memory.py):
     N = 400 take seconds (about N^2 vector operations over the budgets).
   tests/test_chain_optimum.py checks the DP against an exhaustive search over checkpointing schedules of the
   recorded events (every forward storage may be kept, rebuilds at any moment) at every budget on 1 to 4 layers
-  and at six budgets on 5 (all budgets on 5 and 6 layers agreed when run by hand). The moments matter: the smallest budget of 3 layers is 24 blocks, where rebuilding
-  only at the reads needs 32 (on 2 layers, 24 against 25).
+  and at six budgets on 5 (all budgets on 5 and 6 layers agreed when run by hand). The moments matter: the
+  smallest budget of 3 layers is 24 blocks, where rebuilding only at the reads needs 32 (on 2 layers, 24
+  against 25).
 Limitations (what the optimum is a bound of, and what it is not):
   - Placement is ignored: any set of blocks whose sizes fit the usable arena is taken to fit. The engine needs a
     contiguous free range per request, so fragmentation can only make it worse: in that respect the optimum is
@@ -395,17 +396,20 @@ class Solver:
     Seg(s, i, t)[sigma, m]: node s resident (held outside m), about to rebuild node i for its read unit t,
       nothing of (s, i] resident; the least cost of every forward computation needed to serve units t.. of node
       i and all units of nodes i-1 down to s+1 with m units. sigma = 0: the exit's holder is not in (s, i];
-      sigma = k >= 1: it is, of size `sigmas[k - 1]`, and its exit cost counts relative to s (minus the forward
-      cost from s to it).
+      sigma = k >= 1: it is, of (size, exit need) `sigmas[k - 1]`, and its exit cost counts relative to s (minus
+      the forward cost from s to it).
     Held(s, j, t)[sigma, m]: the same with node j resident (in m), about to serve its unit t.
-    Seg(s, i, t) = min over j in (s, i] of the forward s -> j, then
-      j = i: Held(s, i, t);
-      j < i: Seg(j, i, t) with m - size[j], then Held(s, j, 0) (with m - sigma when the holder was in (j, i]).
+    Seg(s, i, t) = min over the unit's rebuild moments o (window, hold) of Seg_o(s, i, t), and Seg_o(s, i, t) =
+    min over j in (s, i] of the forward s -> j, with window + its peak within m, then
+      j = i: Held(s, i, t), with hold within m (node i resident from the moment to its read);
+      j < i: Seg_o(j, i, t) with m - size[j], then Held(s, j, 0) (with m - sigma when the holder was in (j, i]).
+      The recursion of one rebuild keeps its moment: its checkpoints are made then too (Note [Chain model]).
     Held(s, j, t) = the unit's memory, then
       a later unit: keep node j (the memory between) and Held(s, j, t + 1), or drop it and Seg(s, j, t + 1);
       the last unit: Seg(s, j - 1, 0), or, node j being the holder (resident to the end: `tail`),
         Seg(s, j - 1, 0) with m - size[j].
-    The least recompute cost is min over sigma of Seg(0, n, 0)[sigma]: forward work counted relative to node 0
+    The least recompute cost is min over sigma of Seg(0, n, 0)[sigma], each at budgets within which the exit's
+    replay from its holder fits (`exit_need`; sigma = 0: from the input): forward work counted relative to node 0
     plus the exit's replay from the holder (or from the input) comes to the program's forward plus every rebuild.
     """
 
