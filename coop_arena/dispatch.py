@@ -119,11 +119,17 @@ def _refuse_storage_offset(func, args, kwargs) -> None:
 #   arena and seen by the footprint's headroom (a temporary there), not counted in the arena. A gradient an op
 #   computes from the leaf itself (`w * w`) goes in the arena and is copied out, as before. A leaf that
 #   already has a gradient accumulates into it: the new one is a temporary of the step and goes in the arena.
+#   A leaf that receives several gradients in one backward (a weight tied to two uses) sums them before it
+#   accumulates: none becomes `.grad`. That is known at the second (the first, made outside, is still alive and
+#   the leaf has no gradient yet): from then on the leaf's gradients go in the arena; the first one, in the first
+#   such backward, stays outside, a temporary there that the headroom's observer does not see (below).
 #   The op runs inside `headroom.model_state()`, so that the headroom's observer leaves the gradient out even
 #   when the block frees it (`p.grad = None` after an update in it), as it leaves out a gradient copied out of
 #   the arena; the op's other outputs (convolution's input gradient), temporaries copied into the arena, are
 #   then left out of the observed peak too.
 _ACCUMULATE = "torch::autograd::AccumulateGrad"
+_GIVEN: dict = {}   # id(leaf) -> weakrefs (leaf, the gradient last made for it outside the arena)
+_SHARED: dict = {}  # id(leaf) -> [weakref of a leaf met in backward, whether it sums several gradients]
 
 
 def _grad_sinks(node) -> list:
@@ -139,6 +145,22 @@ def _grad_sinks(node) -> list:
         var = getattr(f, "variable", None) if f is not None and f.name() == _ACCUMULATE else None
         out.append(var if var is not None and var.grad is None else None)
     return out
+
+
+def _uses_below(node, v) -> int:
+    """How many edges of the autograd graph below `node` (itself included) lead into the leaf `v`'s
+    AccumulateGrad."""
+    seen, stack, uses = {id(node)}, [node], 0
+    while stack:
+        for f, _ in stack.pop().next_functions:
+            if f is None or id(f) in seen:
+                continue
+            if f.name() == _ACCUMULATE:
+                uses += getattr(f, "variable", None) is v
+                continue
+            seen.add(id(f))
+            stack.append(f)
+    return uses
 
 
 def _feeds_leaves() -> bool:
@@ -487,21 +509,21 @@ class Dispatch:
         self._bind(call, owner)
         return self._run_temporary(call, plan)
 
-    def _leaf_gradients(self, call: _Call, outs: list) -> frozenset:
+    def _leaf_gradients(self, call: _Call, outs: list) -> dict:
         """The positions of this op's outputs (`outs`: (dtype, number of elements) of each, None where not a
-        tensor) that become a leaf's gradient and so are computed outside the arena (Note [Gradients of leaves]);
-        empty for most ops."""
+        tensor) that become a leaf's gradient and so are computed outside the arena, each with its leaf (Note
+        [Gradients of leaves]); empty for most ops."""
         node = torch._C._current_autograd_node()
         if node is None or not outs or node.name() == _ACCUMULATE:
-            return frozenset()
+            return {}
         sinks = _grad_sinks(node)
         if not any(v is not None for v in sinks):
-            return frozenset()
+            return {}
         if self._claimed[0] is not node:
             self._claimed = (node, set())
         claimed = self._claimed[1]
         by_position = len(outs) > 1 and len(outs) == len(sinks)
-        found = set()
+        found = {}
         for j, spec in enumerate(outs):
             if spec is None:
                 continue
@@ -509,11 +531,32 @@ class Dispatch:
             for k in ([j] if by_position else range(len(sinks))):
                 v = sinks[k]
                 if (v is not None and id(v) not in claimed and v.dtype == dtype and v.numel() == numel
-                        and v.device.type == self.device.type and not _reads_leaf(call, v)):
+                        and v.device.type == self.device.type and not _reads_leaf(call, v)
+                        and not self._sums_gradients(node, v)):
                     claimed.add(id(v))
-                    found.add(j)
+                    found[j] = v
                     break
-        return frozenset(found)
+        return found
+
+    def _sums_gradients(self, node, v) -> bool:
+        """Whether the leaf `v` receives several gradients in one backward (a weight tied to two uses): autograd
+        sums them before it accumulates, so none of them becomes `.grad`. Found by a walk of the graph below
+        `node` the first time the leaf is met, or, where the other use is not below it, at the second gradient:
+        the first, made outside, is then still alive and not accumulated yet (Note [Gradients of leaves])."""
+        r = _SHARED.get(id(v))
+        if r is not None and r[0]() is v:
+            return r[1]
+        if len(_SHARED) > 4096:  # (leaves gone since)
+            for k in [k for k, w in _SHARED.items() if w[0]() is None]:
+                del _SHARED[k]
+        r = _SHARED[id(v)] = [weakref.ref(v), _uses_below(node, v) > 1]
+        if r[1]:
+            return True
+        g = _GIVEN.get(id(v))
+        if g is not None and g[0]() is v and g[1]() is not None and v.grad is None:
+            r[1] = True
+            return True
+        return False
 
     def _lifted(self, t: torch.Tensor):
         """`torch.tensor(data)`, `as_tensor(list)`, `t.new_tensor(data)` in the block: PyTorch makes the tensor from
@@ -760,7 +803,7 @@ class Dispatch:
                                       [s for s in placed if s.payload.recipe is not None])
 
     def _run_temporary(self, call: _Call, plan, host: bool = False, direct: bool = False,
-                       plain_outputs: frozenset = frozenset(), leaf_gradients: bool = False):
+                       plain_outputs: dict | None = None, leaf_gradients: bool = False):
         """The op computes its outputs into temporaries; each is copied into its own range at once, except those
         left outside the arena (`host`: all of them, see _host_index; _HOST_OUTPUTS; `plain_outputs`: those that
         become a leaf's gradient, or with `leaf_gradients` those found to, Note [Gradients of leaves]). `direct`:
@@ -781,6 +824,13 @@ class Dispatch:
         if leaf_gradients:
             plain_outputs = self._leaf_gradients(call, [(o.dtype, o.numel()) if isinstance(o, torch.Tensor) else None
                                                         for o in out_leaves])
+        plain_outputs = plain_outputs or {}
+        for j, v in plain_outputs.items():
+            if isinstance(out_leaves[j], torch.Tensor):
+                if len(_GIVEN) > 4096:  # (leaves gone since)
+                    for k in [k for k, (leaf, _) in _GIVEN.items() if leaf() is None]:
+                        del _GIVEN[k]
+                _GIVEN[id(v)] = (weakref.ref(v), weakref.ref(out_leaves[j]))
         placement.check_strided(func, out_leaves)
         if plan is not None and self.device.type == "meta" and not plan.aliases:
             out_leaves = [placement.as_planned(o, spec) for o, spec in zip(out_leaves, plan.outputs)]

@@ -156,13 +156,13 @@ def test_a_dry_run_repeated_on_meta_is_replayed():
     assert all(UNTIMED(s) == UNTIMED(stats[0]) and s.replayed_ops == s.ops for s in stats[1:])
 
 
-@pytest.mark.parametrize("policy,fraction", [("coop", 1.0), ("dtr", 0.99)], ids=["coop", "dtr"])
+@pytest.mark.parametrize("policy,fraction", [("coop", 1.0), ("dtr", 0.98)], ids=["coop", "dtr"])
 def test_placements_that_found_no_plan_are_replayed_too(policy, fraction):
     """At its smallest budget the GPT example's restores sometimes find no plan: the OutOfBudget is caught by the
     restore's fallback and the step goes on. The recording holds those failures as well, so the later steps follow
     it to their end (before, they stopped following at the first such placement: 175 of 250 ops for coop).
     (`smallest_budget` is found to 4 % of the peak: for DTR, whose step has no weight gradients in the arena, the
-    budget it finds has no failed placement, and 1 % less has one.)"""
+    budget it finds, and 1 % less, have no failed placement, and 2 % less has two.)"""
     from test_exactness import smallest_budget
     nbytes = smallest_budget("gpt", policy)
     replayed, model = _blocks("gpt", fraction, policy, replay=True, nbytes=nbytes)
