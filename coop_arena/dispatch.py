@@ -120,9 +120,12 @@ def _refuse_storage_offset(func, args, kwargs) -> None:
 #   computes from the leaf itself (`w * w`) goes in the arena and is copied out, as before. A leaf that
 #   already has a gradient accumulates into it: the new one is a temporary of the step and goes in the arena.
 #   A leaf that receives several gradients in one backward (a weight tied to two uses) sums them before it
-#   accumulates: none becomes `.grad`. That is known at the second (the first, made outside, is still alive and
-#   the leaf has no gradient yet): from then on the leaf's gradients go in the arena; the first one, in the first
-#   such backward, stays outside, a temporary there that the headroom's observer does not see (below).
+#   accumulates: none becomes `.grad`, so they go in the arena. Such a leaf is found by a walk of the graph below
+#   the node that first meets it (`_uses_below`), once per leaf, so that every step decides the same (step
+#   replay); where the other use is not below that node (two branches of the loss), it is found at the second
+#   gradient, while the first, made outside, is still alive and the leaf has no gradient yet: that first one, in
+#   that backward only, stays outside, a temporary there that the headroom's observer does not see (below), and
+#   the next step decides otherwise than the first.
 #   The op runs inside `headroom.model_state()`, so that the headroom's observer leaves the gradient out even
 #   when the block frees it (`p.grad = None` after an update in it), as it leaves out a gradient copied out of
 #   the arena; the op's other outputs (convolution's input gradient), temporaries copied into the arena, are
@@ -544,19 +547,15 @@ class Dispatch:
         `node` the first time the leaf is met, or, where the other use is not below it, at the second gradient:
         the first, made outside, is then still alive and not accumulated yet (Note [Gradients of leaves])."""
         r = _SHARED.get(id(v))
-        if r is not None and r[0]() is v:
-            return r[1]
-        if len(_SHARED) > 4096:  # (leaves gone since)
-            for k in [k for k, w in _SHARED.items() if w[0]() is None]:
-                del _SHARED[k]
-        r = _SHARED[id(v)] = [weakref.ref(v), _uses_below(node, v) > 1]
-        if r[1]:
-            return True
-        g = _GIVEN.get(id(v))
-        if g is not None and g[0]() is v and g[1]() is not None and v.grad is None:
-            r[1] = True
-            return True
-        return False
+        if r is None or r[0]() is not v:
+            if len(_SHARED) > 4096:  # (leaves gone since)
+                for k in [k for k, w in _SHARED.items() if w[0]() is None]:
+                    del _SHARED[k]
+            r = _SHARED[id(v)] = [weakref.ref(v), _uses_below(node, v) > 1]
+        if not r[1]:
+            g = _GIVEN.get(id(v))
+            r[1] = g is not None and g[0]() is v and g[1]() is not None and v.grad is None
+        return r[1]
 
     def _lifted(self, t: torch.Tensor):
         """`torch.tensor(data)`, `as_tensor(list)`, `t.new_tensor(data)` in the block: PyTorch makes the tensor from

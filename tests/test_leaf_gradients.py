@@ -52,3 +52,33 @@ def test_a_classifier_heads_weight_gradient_does_not_set_the_lower_bound():
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))
     assert all(torch.equal(b, c) for b, c in zip(model.buffers(), plain.buffers()))
     assert len(list(model.buffers())) == 3  # the BatchNorm's running mean, variance and count
+
+
+def test_a_weight_with_two_gradients_in_one_backward_gets_their_sum():
+    """A weight read by two branches of the loss receives two gradients, which autograd sums before accumulating:
+    neither becomes `.grad` as it is (Note [Gradients of leaves]: a leaf that sums several gradients). Whichever
+    of them are made outside the arena, every step is bitwise what plain PyTorch computes, with the budget ample
+    and at 0.6 of the peak (at half of it the largest op does not fit), and the gradient is a plain tensor."""
+    def run(budget):
+        torch.manual_seed(0)
+        w = nn.Parameter(torch.randn(64, 64) / 8)
+        opt = torch.optim.SGD([w], lr=0.01)
+        grads = []
+        for i in range(3):
+            x = torch.randn(64, 64, generator=torch.Generator().manual_seed(i))
+            with budget if budget is not None else torch.enable_grad():
+                h = x
+                for _ in range(4):
+                    h = torch.tanh(h @ w)
+                (h.sum() + (x @ w.t()).square().mean()).backward()
+            grads.append(w.grad.clone())
+            opt.step()
+            opt.zero_grad()
+        return [w.detach().clone(), *grads]
+
+    plain = run(None)
+    probe = coop_arena.Budget(1 << 26, device="cpu")
+    assert all(type(t) is torch.Tensor and torch.equal(a, t) for a, t in zip(plain, run(probe)))
+    budget = coop_arena.Budget(int(0.6 * probe.stats.peak_bytes), device="cpu")
+    assert all(type(t) is torch.Tensor and torch.equal(a, t) for a, t in zip(plain, run(budget)))
+    assert budget.stats.evictions > 0 and budget.stats.rematerializations > 0
