@@ -122,17 +122,16 @@ def _refuse_storage_offset(func, args, kwargs) -> None:
 #   A leaf that receives several gradients in one backward (a weight tied to two uses) sums them before it
 #   accumulates: none becomes `.grad`, so they go in the arena. Such a leaf is found by a walk of the graph below
 #   the node that first meets it (`_uses_below`), once per leaf, so that every step decides the same (step
-#   replay); where the other use is not below that node (two branches of the loss), it is found at the second
-#   gradient, while the first, made outside, is still alive and the leaf has no gradient yet: that first one, in
-#   that backward only, stays outside, a temporary there that the headroom's observer does not see (below), and
-#   the next step decides otherwise than the first.
+#   replay). Where the other use is not below that node (two branches of the loss) it is not found: its
+#   gradients are made outside and summed there, correct, but temporaries outside the arena that the headroom's
+#   observer does not see (below). (Catching it at the second gradient made the second step decide otherwise
+#   than the first, which step replay does not allow.)
 #   The op runs inside `headroom.model_state()`, so that the headroom's observer leaves the gradient out even
 #   when the block frees it (`p.grad = None` after an update in it), as it leaves out a gradient copied out of
 #   the arena; the op's other outputs (convolution's input gradient), temporaries copied into the arena, are
 #   then left out of the observed peak too.
 _ACCUMULATE = "torch::autograd::AccumulateGrad"
-_GIVEN: dict = {}   # id(leaf) -> weakrefs (leaf, the gradient last made for it outside the arena)
-_SHARED: dict = {}  # id(leaf) -> [weakref of a leaf met in backward, whether it sums several gradients]
+_SHARED: dict = {}  # id(leaf) -> (weakref of a leaf met in backward, whether it sums several gradients)
 
 
 def _grad_sinks(node) -> list:
@@ -544,17 +543,13 @@ class Dispatch:
     def _sums_gradients(self, node, v) -> bool:
         """Whether the leaf `v` receives several gradients in one backward (a weight tied to two uses): autograd
         sums them before it accumulates, so none of them becomes `.grad`. Found by a walk of the graph below
-        `node` the first time the leaf is met, or, where the other use is not below it, at the second gradient:
-        the first, made outside, is then still alive and not accumulated yet (Note [Gradients of leaves])."""
+        `node` the first time the leaf is met, and kept (Note [Gradients of leaves])."""
         r = _SHARED.get(id(v))
         if r is None or r[0]() is not v:
             if len(_SHARED) > 4096:  # (leaves gone since)
                 for k in [k for k, w in _SHARED.items() if w[0]() is None]:
                     del _SHARED[k]
-            r = _SHARED[id(v)] = [weakref.ref(v), _uses_below(node, v) > 1]
-        if not r[1]:
-            g = _GIVEN.get(id(v))
-            r[1] = g is not None and g[0]() is v and g[1]() is not None and v.grad is None
+            r = _SHARED[id(v)] = (weakref.ref(v), _uses_below(node, v) > 1)
         return r[1]
 
     def _lifted(self, t: torch.Tensor):
@@ -824,12 +819,6 @@ class Dispatch:
             plain_outputs = self._leaf_gradients(call, [(o.dtype, o.numel()) if isinstance(o, torch.Tensor) else None
                                                         for o in out_leaves])
         plain_outputs = plain_outputs or {}
-        for j, v in plain_outputs.items():
-            if isinstance(out_leaves[j], torch.Tensor):
-                if len(_GIVEN) > 4096:  # (leaves gone since)
-                    for k in [k for k, (leaf, _) in _GIVEN.items() if leaf() is None]:
-                        del _GIVEN[k]
-                _GIVEN[id(v)] = (weakref.ref(v), weakref.ref(out_leaves[j]))
         placement.check_strided(func, out_leaves)
         if plan is not None and self.device.type == "meta" and not plan.aliases:
             out_leaves = [placement.as_planned(o, spec) for o, spec in zip(out_leaves, plan.outputs)]
