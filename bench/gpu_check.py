@@ -277,7 +277,7 @@ def measure_model(name: str, device: str, deadline: float, smoke: bool) -> None:
     probe_seconds = step_seconds(records)
     # (on CUDA the arena moves bytes with the Triton kernel; one that does not compile there falls back to copy_
     # with only a warning, and every run would then pass without the kernel ever relocating a tensor)
-    moves = "copy_" if probe.arena._move == probe.arena._move_torch else "triton"
+    moves = "copy_" if probe.arena._move is type(probe.arena)._move_torch else "triton"
     emit("engine_peak", nbytes=ample, status="ok", peak_bytes=engine_peak, evictions=probe.stats.evictions,
          lower_bound=probe.stats.lower_bound, ops=probe.stats.ops, seconds=probe_seconds, arena_moves=moves)
     del probe, records

@@ -157,7 +157,8 @@ class Arena:
         self._last_stream = _current_stream(device)  # the stream that last used the buffer (allocation, a block)
 
     def owns(self, t: torch.Tensor) -> bool:
-        return t.untyped_storage()._cdata == self.key
+        """Whether `t` is a view of the arena (a sparse or other non-strided tensor has no storage: never)."""
+        return t.layout is torch.strided and t.untyped_storage()._cdata == self.key
 
     def view(self, byte_offset: int, dtype: torch.dtype, size, stride, storage_offset: int) -> torch.Tensor:
         """A tensor over the arena at `byte_offset`, with `storage_offset` counted in elements from there."""
@@ -199,15 +200,16 @@ class Arena:
         _internal_assert(0 <= min(src, dst) and 0 <= nbytes and max(src, dst) + nbytes <= self.nbytes,
                          f"arena move of {nbytes} bytes from {src} to {dst} in an arena of {self.nbytes}")
         if self._move is not None and nbytes > 0 and src != dst:
-            self._move(src, dst, nbytes)
+            self._move(self, src, dst, nbytes)
 
     def _pick_mover(self, copy_kernel: bool | None):
-        """The function `move` copies with. By default (None) the Triton kernel on CUDA, tried here on a few bytes of
+        """The function `move` copies with, called with the arena (not bound to it: an arena that refers to itself
+        lives on, with its buffer, until a full collection once it is dropped). By default (None) the Triton kernel on CUDA, tried here on a few bytes of
         the fresh buffer (a disjoint copy and overlapping moves both ways, so each kernel has compiled): where Triton
         is missing or cannot build its launcher (no C compiler), the arena warns and uses `copy_`, rather than
         failing at the first relocation in the middle of a step."""
         if copy_kernel is False or (copy_kernel is None and self.device.type != "cuda"):
-            return self._move_torch
+            return Arena._move_torch
         try:
             from .kernels import kernels_available
             if not kernels_available(self.device):
@@ -215,16 +217,16 @@ class Arena:
                                  f"the CPU only in Triton's interpreter, TRITON_INTERPRET=1 before triton is "
                                  f"imported)")
             from .kernels.copy import arena_move
-            mover = lambda src, dst, nbytes: arena_move(self.buffer, src, dst, nbytes)  # noqa: E731
+            mover = lambda arena, src, dst, nbytes: arena_move(arena.buffer, src, dst, nbytes)  # noqa: E731
             if copy_kernel is None and self.nbytes >= 1024:
                 for src, dst in ((0, 512), (0, 1), (1, 0)):  # the buffer holds nothing yet: real launches of the
-                    mover(src, dst, 512)                       # disjoint copy and the overlapping moves both ways
+                    mover(self, src, dst, 512)                 # disjoint copy and the overlapping moves both ways
         except Exception as e:
             if copy_kernel:
                 raise
             warnings.warn(f"coop_arena: the Triton copy kernel cannot run on {self.device} ({type(e).__name__}: "
                           f"{str(e)[:200]}); arena moves use torch's copy_ instead", RuntimeWarning, stacklevel=3)
-            return self._move_torch
+            return Arena._move_torch
         return mover
 
     def _move_torch(self, src: int, dst: int, nbytes: int) -> None:

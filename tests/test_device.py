@@ -282,8 +282,8 @@ def test_a_copy_kernel_that_cannot_run_falls_back_to_copy_with_a_warning(monkeyp
     monkeypatch.setattr(kcopy, "arena_move", lambda buf, src, dst, n: launches.append((src, dst, n)))
     mover = arena._pick_mover(None)
     # every kernel launched once: the disjoint copy, the serial overlapping moves both ways
-    assert launches == [(0, 512, 512), (0, 1, 512), (1, 0, 512)] and mover != arena._move_torch
-    mover(1024, 2048, 64)
+    assert launches == [(0, 512, 512), (0, 1, 512), (1, 0, 512)] and mover is not Arena._move_torch
+    mover(arena, 1024, 2048, 64)
     assert launches[-1] == (1024, 2048, 64)
 
     def broken(buf, src, dst, n):
@@ -291,9 +291,9 @@ def test_a_copy_kernel_that_cannot_run_falls_back_to_copy_with_a_warning(monkeyp
 
     monkeypatch.setattr(kcopy, "arena_move", broken)
     with pytest.warns(RuntimeWarning, match="Triton copy kernel cannot run on cuda.*C compiler.*copy_"):
-        assert arena._pick_mover(None) == arena._move_torch
+        assert arena._pick_mover(None) is Arena._move_torch
     with pytest.raises(RuntimeError, match="C compiler"):
-        arena._pick_mover(True)(0, 512, 512)
+        arena._pick_mover(True)(arena, 0, 512, 512)
 
 
 # ------------------------------------------------------------------------------------------------- streams
