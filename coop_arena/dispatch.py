@@ -242,7 +242,7 @@ _LIFT_FRESH, _AS_STRIDED, _DETACH, _COPY = (aten.lift_fresh.default, aten.as_str
 def _rrelu_in_eval(args, kwargs):
     """rrelu_with_noise out of training writes nothing: its kernel is leaky_relu with the slope (lower + upper) / 2
     (computed in double, as here), and `noise` is left as it is. Run as that, it is an ordinary functional op; in
-    training it stays an op that writes `noise` and returns a fresh tensor (UnsupportedOp, README)."""
+    training it stays an op that writes `noise` and returns a fresh tensor, placed unevictable (_results_of_write)."""
     names = [a.name for a in _RRELU._schema.arguments]
     defaults = {a.name: a.default_value for a in _RRELU._schema.arguments if a.has_default_value()}
     bound = {**defaults, **dict(zip(names, args)), **kwargs}
@@ -277,14 +277,23 @@ def _probed_writes(probe) -> frozenset:
 
 
 def _changed(t: torch.Tensor, before) -> bool:
-    after = _fingerprint(t)
+    return _differs(_fingerprint(t), before)
+
+
+def _differs(after, before) -> bool:
     if isinstance(before, torch.Tensor):
         return not torch.equal(after, before)
+    if isinstance(before, list):  # a sparse tensor's parts
+        return len(after) != len(before) or any(_differs(a, b) for a, b in zip(after, before))
     return after != before
 
 
 def _fingerprint(t: torch.Tensor):
-    """A host copy of a small tensor's bytes, or a fingerprint of a large one (Note [Probing for hidden writes])."""
+    """A host copy of a small tensor's bytes, or a fingerprint of a large one (Note [Probing for hidden writes]);
+    a sparse tensor's is its parts' (indices and values), in a list."""
+    if t.layout is not torch.strided:
+        parts = ops.sparse_parts(t)
+        return [_fingerprint(p) for p in parts] if parts is not None else (t.layout, tuple(t.size()))
     if t.numel() * t.element_size() <= PROBE_COPY_MAX or not hasattr(torch, "hash_tensor") or t.is_complex():
         return _host_bytes(t)
     t = t.resolve_conj().resolve_neg()
@@ -293,6 +302,24 @@ def _fingerprint(t: torch.Tensor):
         words = t.reshape(-1).view(torch.uint8).view(torch.int64)
     return (int(torch.hash_tensor(words if words is not None else t).view(torch.int64)),
             int(words.sum()) if words is not None else None)
+
+
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _same_bits(a, b) -> bool:
+    """Whether tensors `a` and `b` have the same size, strides, dtype and bits (a NaN equals itself, 0.0 is not
+    -0.0)."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return a == b
+    if a.dtype != b.dtype or a.size() != b.size() or any(
+            n > 1 and x != y for n, x, y in zip(a.size(), a.stride(), b.stride())):
+        return False
+    a, b = a.resolve_conj().resolve_neg(), b.resolve_conj().resolve_neg()
+    if a.is_complex():
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+    ints = _INTS.get(a.element_size()) if a.dtype != torch.bool and not a.is_quantized else None
+    return torch.equal(a.view(ints), b.view(ints)) if ints is not None else torch.equal(a, b)
 
 
 def _version(t: torch.Tensor):
@@ -305,6 +332,31 @@ def _host_bytes(t: torch.Tensor) -> torch.Tensor:
     tensor's stride, which may not be 1)."""
     t = t.resolve_conj().resolve_neg()
     return t.to("cpu", memory_format=torch.contiguous_format, copy=True).view(-1).view(torch.uint8)
+
+
+# Note [In-place ops that resize]
+# Rationale: a few in-place kernels resize `self` when it broadcasts to the result (`x.addbmm_(b1, b2)` with `x` of
+#   shape (1,) or (): PyTorch's kernel computes into `self` as into an out= tensor, and resizes it to (5, 10)).
+#   An arena tensor cannot change its size in place: through a view of the whole arena the kernel wrote past its
+#   range into its neighbours' bytes, and the user's tensor kept its old shape, silently wrong. `meta` cannot say
+#   it beforehand: its decompositions refuse such a call, where the CPU's and CUDA's kernels resize.
+# Approach: the first call of each configuration of an in-place op (its key as a plan's, placement._plan_key) on a
+#   device with memory runs on a view of `self` over a storage that is exactly its range and cannot grow
+#   (Arena.fixed_view, as out= arguments get: _fix_out_args): a kernel that grows it raises before writing, and one
+#   that re-shapes it within its range is seen afterwards. Either refuses the op with UnsupportedOp, which names
+#   the functional op to call instead. A configuration that kept `self` is remembered (`_KEEPS_SELF`): later calls
+#   pay nothing.
+# Limitations: a re-shape within the range is found once the kernel has written (the tensor was made in the block,
+#   and the block ends with the error). A dry run on `meta` fails as `meta` does (its decomposition's error).
+_KEEPS_SELF: set = set()
+
+
+def _resizes_self(call: _Call, guarded, to: str) -> UnsupportedOp:
+    name = call.func._schema.name.split("::")[-1].rstrip("_")
+    return UnsupportedOp(call.func, f"it resizes `self` in place, from shape {list(guarded[0])} to {to} (PyTorch "
+                                    f"does so when `self` broadcasts to the result), and a tensor in the arena cannot "
+                                    f"change its size in place; call the out-of-place op instead: "
+                                    f"`x = torch.{name}(x, ...)`")
 
 
 class _Grows(Exception):
@@ -670,7 +722,7 @@ class Dispatch:
         values is settled with the old bytes (the probe's host copies) put back for the time of it, all of them at
         once (a batch norm's replay reads both statistics)."""
         swapped = [(t, before) for pos, t, _, before in probe if pos in written]
-        if not any(self._ext_readers.get(t.untyped_storage()._cdata) for t, _ in swapped):
+        if not any(self._ext_readers.get(ops.storage_key(t)) for t, _ in swapped):
             return
         with plain_dispatch(), torch.no_grad():
             now = []
@@ -733,14 +785,16 @@ class Dispatch:
                     if guard and grew(e):
                         raise _Grows from e
                     raise
+                if call.op.random is None:  # Note [Custom ops that draw]
+                    rng = _drew(call, rng)
                 if guard:
                     if not placement.same_layout(plan, views):  # re-strided in place: Note [Direct placement]
                         plan = placement.relaid(func, call.args, call.kwargs, self.device.type, plan, views)
                         if plan is None:
                             raise _Grows
+                    if not self._as_functional(call, views, probe, written, rng):  # Note [Direct placement]
+                        raise _Grows
                     plan.checked.append(True)
-            if call.op.random is None:  # Note [Custom ops that draw]
-                rng = _drew(call, rng)
             memory.may_relocate = True
             self._account(plan.cost)
             if probe is not None:
@@ -771,6 +825,18 @@ class Dispatch:
         placed = [s for s in placed if s is not None]
         self._placed(call, placed, recipe)
         return tuple(results) if len(plan.outputs) > 1 else results[0]
+
+    def _as_functional(self, call: _Call, views, probe, written, rng) -> bool:
+        """Whether the out= variant wrote what the functional op computes, bit for bit and with its layout: the
+        first call of a configuration on the device runs the functional op too and compares (Note [Direct
+        placement]). Not for an op that draws random numbers or writes what it reads (its second run would see
+        other inputs): those keep the out= variant."""
+        if (call.op.random or rng is not None or call.stats or written
+                or (probe is not None and _probed_writes(probe))):
+            return True
+        ref = call.func(*call.pargs, **call.pkwargs)
+        refs = list(ref) if isinstance(ref, (tuple, list)) else [ref]
+        return len(refs) == len(views) and all(_same_bits(r, v) for r, v in zip(refs, views))
 
     def _fixed_view(self, byte_offset: int, dtype, size, stride, storage_offset: int) -> torch.Tensor:
         """An arena view like Arena.view, over a storage of its own that is exactly its range and cannot grow:
@@ -834,7 +900,8 @@ class Dispatch:
                              grad_mode=torch.is_grad_enabled(), leaves=call.recorded)
         evictable = self._hidden_writes(call, recipe, externals, written) and not _keeps_outputs(call)
         placed, temporary, alive = [], 0, 0
-        outside = {t.untyped_storage()._cdata for _, t in externals}  # (placement: outputs that alias inputs)
+        outside = {t.untyped_storage()._cdata for _, t in externals  # (placement: outputs that alias inputs)
+                   if t.layout is torch.strided}
         try:
             for j, o in enumerate(out_leaves):
                 if isinstance(o, torch.Tensor) and self.arena.owns(o):  # it aliases an input: a view
@@ -975,6 +1042,7 @@ class Dispatch:
             else:
                 self.remat.freeze_readers(s)
         fixed = self._fix_out_args(call) if targets and self.device.type != "meta" else False
+        guarded = self._guard_self(call) if targets and self.device.type != "meta" else None
         try:
             out, _, recipe = self._execute(call)
         except RuntimeError as e:
@@ -982,9 +1050,13 @@ class Dispatch:
                 raise UnsupportedOp(call.func, "its kernel resizes its out= argument on the way (beyond its final "
                                                "shape), which a tensor in the arena cannot be; call the op without "
                                                "out=") from e
+            if guarded is not None and grew(e):
+                raise _resizes_self(call, guarded, "a larger shape") from e
             raise
         if fixed:
             self._follow_resized_outs(call, fixed)
+        if guarded is not None:
+            self._check_self_kept(call, guarded)
         for s in targets:
             if replayable and s.payload.recipe is not None:
                 s.payload.mutations.append(recipe)
@@ -993,13 +1065,14 @@ class Dispatch:
             else:
                 self.remat.make_unevictable(s)
         self._note_external_reads(call.recorded, targets)
-        return self._results_of_write(call, out, call.inputs)
+        return self._results_of_write(call, out, call.inputs, recipe)
 
     def _check_not_resized(self, call: _Call) -> None:
         """PyTorch resizes an out= tensor of the wrong shape (with a warning). An arena view grown in place would
         write past its storage into its neighbours': refused before the op runs. The shapes come from the op's plan
         (its run on meta, which resizes the meta out= tensors as the real run would). An in-place op that is not a
-        view op writes its tensors at their shapes: not checked (Note [Shapes that change] in placement.py)."""
+        view op is checked on the device instead (Note [In-place ops that resize]: meta refuses what the device
+        kernels resize)."""
         tags = call.func.tags
         if torch.Tag.inplace in tags and torch.Tag.inplace_view not in tags:
             return
@@ -1017,6 +1090,36 @@ class Dispatch:
                                                f"{list(spec.size)} in place, which a tensor in the arena cannot be; "
                                                f"pass an out= tensor of shape {list(spec.size)}, or call the op "
                                                f"without out=")
+
+    def _guard_self(self, call: _Call):
+        """The first call of an in-place op's configuration writes `self` through a view that cannot grow (Note
+        [In-place ops that resize]); returns (its size, its stride, the configuration's key), or None."""
+        tags = call.func.tags
+        if torch.Tag.inplace not in tags or torch.Tag.inplace_view in tags or not call.pargs:
+            return None
+        v = call.pargs[0]
+        if not isinstance(v, torch.Tensor) or not self.arena.owns(v):
+            return None
+        try:
+            key = placement._plan_key(call.func, call.leaves, call.spec, self.device.type)
+            if key is not None and key in _KEEPS_SELF:
+                return None
+        except TypeError:  # an unhashable argument: checked at every call
+            key = None
+        view = self._fixed_view(v.storage_offset() * v.element_size(), v.dtype, tuple(v.size()), tuple(v.stride()), 0)
+        call.pargs = (with_bits(view, v.is_conj(), v.is_neg()), *call.pargs[1:])
+        return tuple(v.size()), tuple(v.stride()), key
+
+    def _check_self_kept(self, call: _Call, guarded) -> None:
+        """After the guarded first call (_guard_self): `self` kept its shape, or the op is refused."""
+        size, stride, key = guarded
+        v = call.pargs[0]
+        if tuple(v.size()) != size or tuple(v.stride()) != stride:
+            raise _resizes_self(call, guarded, f"shape {list(v.size())}")
+        if key is not None:
+            if len(_KEEPS_SELF) >= placement._PLANS_MAX:
+                _KEEPS_SELF.clear()
+            _KEEPS_SELF.add(key)
 
     def _fix_out_args(self, call: _Call) -> list:
         """Give the op its out= arguments in the arena as views that cannot grow (_fixed_view): a kernel that
@@ -1043,8 +1146,10 @@ class Dispatch:
                     torch.Tensor.as_strided_(t, v.size(), v.stride(), t.storage_offset())
                 t._forget_view()
 
-    def _results_of_write(self, call: _Call, out, inputs):
-        """An output aliasing a written argument is that argument's original object (autograd expects `self`)."""
+    def _results_of_write(self, call: _Call, out, inputs, recipe: Recipe):
+        """An output aliasing a written argument is that argument's original object (autograd expects `self`). A
+        fresh output (`_native_batch_norm_legit` and `_batch_norm_with_update` in training, `rrelu_with_noise`'s) is
+        copied into the arena, unevictable: its replay would write the arguments again."""
         written = {}
         for sets, v in self._written(call, call.args, call.kwargs):
             for name in sets:
@@ -1053,17 +1158,28 @@ class Dispatch:
         if not returns:
             return out
         outs = out if len(returns) > 1 else (out,)
-        res = []
-        for r, o in zip(returns, outs):
-            alias = r.alias_info
-            if alias is not None and alias.is_write and any(n in written for n in alias.before_set):
-                res.append(written[next(n for n in alias.before_set if n in written)])
-            elif isinstance(o, torch.Tensor) and self.arena.owns(o):
-                res.append(self._wrap_alias(o, inputs, call.func))
-            elif isinstance(o, torch.Tensor) and o.device == self.device and o.numel() > 0:
-                raise UnsupportedOp(call.func, "it writes its arguments and also returns a fresh tensor")
-            else:
-                res.append(o)
+        res, placed, fresh = [], [], 0
+        try:
+            for j, (r, o) in enumerate(zip(returns, outs)):
+                alias = r.alias_info
+                if alias is not None and alias.is_write and any(n in written for n in alias.before_set):
+                    res.append(written[next(n for n in alias.before_set if n in written)])
+                elif isinstance(o, torch.Tensor) and self.arena.owns(o):
+                    res.append(self._wrap_alias(o, inputs, call.func))
+                elif isinstance(o, torch.Tensor) and o.device == self.device and o.numel() > 0:
+                    placement.check_strided(call.func, [o])
+                    fresh += o.numel() * o.element_size()
+                    res.append(self._place_output(o, recipe, j, inputs, False, call.func, placed))
+                else:
+                    res.append(o)
+        except BaseException:
+            for s in placed:
+                self.memory.unpin(s)
+                self.lifetime.forget(s)
+            raise
+        if placed:
+            self.counters.count_placed(fresh, fresh, fresh)
+            self._placed(call, placed, recipe)
         return tuple(res) if len(returns) > 1 else res[0]
 
     def _run_write_cow(self, call: _Call, targets):
@@ -1088,7 +1204,7 @@ class Dispatch:
         self.lifetime.written[new.sid] = new
         self.memory.add_write(new, recipe.cost, [b for b in call.inputs if b is not old])
         self._note_external_reads(call.recorded, [new])
-        return self._results_of_write(call, out, [new])
+        return self._results_of_write(call, out, [new], recipe)
 
     def _clone_storage(self, old: Storage, func) -> Storage:
         cost = float(old.nbytes) * 2
@@ -1118,7 +1234,7 @@ class Dispatch:
             return
         for a in recorded:
             if isinstance(a, torch.Tensor):
-                lst = self._ext_readers.setdefault(a.untyped_storage()._cdata, [])
+                lst = self._ext_readers.setdefault(ops.storage_key(a), [])
                 lst.extend(weakref.ref(s) for s in storages)
                 self._ext_refs += len(storages)
         if self._ext_refs > 2 * self._ext_kept + 1024:  # amortized: a long block reads its inputs at every step

@@ -42,7 +42,10 @@ Approach: storages whose wrappers are gone are dropped first (a cycle collection
   still has wrappers, since reference cycles are what keeps finished graphs alive); what the user still holds is
   copied out of the arena, resident storages first, and each live wrapper takes its copy as its real storage (Note
   [Escaped tensors] in tensor.py); evicted ones are replayed (counted in `exit_rematerializations`) only when the
-  block ends normally. When an exception leaves the block, nothing is replayed: evicted storages are dropped and
+  block ends normally; one that cannot be restored within the budget then makes the exit raise its error
+  (OutOfBudget), once everything else is copied out, rather than hand back a tensor that was dropped (one lost
+  earlier in the block, when a write outside the arena overwrote what it was computed from, stays lost). When an
+  exception leaves the block, nothing is replayed: evicted storages are dropped and
   raise TensorLost on use, so the block ends at once. So do the outputs an op had placed before it failed (freed
   with the error, but their wrappers may live on in its traceback). Nor is anything freed then: the arena is reset
   right after, and an interrupt (Ctrl-C) may have stopped a block-table update halfway, which a free would trip over.
@@ -298,8 +301,10 @@ class Lifetime:
                 gc.collect()
                 self.drain()
         live = sorted(self.live.values(), key=lambda s: (s.state is not State.RESIDENT, s.sid))
+        unrestored = []  # (storage, error) of what a normal exit could not restore: raised below
         for s in live:
             d = s.payload
+            lost_before = d.lost is not None  # (in the block, before an external write: Rule 5)
             try:
                 if s.state is State.FREED:  # an output of an op that failed, still held by the error's traceback
                     raise _Dropped("was freed when the op that made it failed")
@@ -315,6 +320,8 @@ class Lifetime:
                     self.counters.exit_recompute_cost += self.counters.recompute_cost - cost
                 d.detached = self.arena.bytes(s.offset, s.nbytes).clone()
             except (CoopArenaError, _Dropped) as e:
+                if not failed and isinstance(e, CoopArenaError) and not lost_before:
+                    unrestored.append((s, e))
                 self.counters.dropped += 1
                 d.lost = f"storage {s.sid} " + (str(e) if isinstance(e, _Dropped) else
                                                 f"was evicted when its Budget ended and it could not be restored: {e}")
@@ -339,6 +346,15 @@ class Lifetime:
         self.live.clear()
         self._refs.clear()
         self._externals.clear()
+        if unrestored:  # a normal exit never hands back a tensor it dropped: Note [Block exit]
+            s, e = unrestored[0]
+            sizes = ", ".join(_fmt(t.nbytes) for t, _ in unrestored)
+            e.add_note(f"The block ended normally, but {len(unrestored)} evicted tensor(s) you still hold ({sizes}) "
+                       f"could not be restored to be copied out of the arena (the error above says why); they raise "
+                       f"TensorLost if used, and everything else you hold was copied out. "
+                       + ("Raise the budget, or let " if isinstance(e, OutOfBudget) else "Let ")
+                       + "go of what you do not need before the block ends (del, or read it inside the block).")
+            raise e
 
 
 _collector = threading.Lock()

@@ -126,3 +126,28 @@ def unflatten(leaves: list, spec):
             kwargs[k] = kind(leaves[i : i + n])
             i += n
     return tuple(args), kwargs
+
+
+_SPARSE_PARTS = {
+    torch.sparse_coo: lambda t: [t._indices(), t._values()],
+    torch.sparse_csr: lambda t: [t.crow_indices(), t.col_indices(), t.values()],
+    torch.sparse_bsr: lambda t: [t.crow_indices(), t.col_indices(), t.values()],
+    torch.sparse_csc: lambda t: [t.ccol_indices(), t.row_indices(), t.values()],
+    torch.sparse_bsc: lambda t: [t.ccol_indices(), t.row_indices(), t.values()],
+}
+
+
+def sparse_parts(t: torch.Tensor) -> list | None:
+    """The strided tensors a sparse tensor is made of (indices, then values), or None for another layout. A
+    sparse tensor has no storage of its own: it is read, probed and written through these."""
+    parts = _SPARSE_PARTS.get(t.layout)
+    return parts(t) if parts is not None else None
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """An identity of the memory `t` reads: its storage's, or for a sparse tensor its values' (what an in-place
+    op on it writes)."""
+    if t.layout is torch.strided:
+        return t.untyped_storage()._cdata
+    parts = sparse_parts(t)
+    return parts[-1].untyped_storage()._cdata if parts is not None else id(t)

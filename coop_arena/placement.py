@@ -46,13 +46,21 @@ Approach:
     `out`. Placing an output with other strides than plain PyTorch gives it changes the order of later
     reductions, so their bits. So the first call of a configuration on the device runs as the functional op
     (the temporary path) and compares, unless every tensor input and planned output is contiguous in the
-    default format, or the op is a matmul, whose output is always planned and made contiguous; ops whose meta
-    kernel differs even then always learn (`_META_DIFFERS`; `learns_layout`). The same layout confirms the
-    plan; another one drops its out= variant (`without_out`), and the configuration keeps taking the
-    temporary path, with the device kernel's own strides. For the rest, the first call's out= run also checks
-    that the kernel left its views as placed; one that re-strided them within their ranges has written them so,
-    and the plan takes that layout (`relaid`) rather than run the op again (a random op would draw twice); any
-    other change falls back as a resize does.
+    default format, or the op is a matmul, whose output is always planned and made contiguous (`learns_layout`).
+    The same layout confirms the plan; another one drops its out= variant (`without_out`), and the
+    configuration keeps taking the temporary path, with the device kernel's own strides. For the rest, the
+    first call's out= run also checks that the kernel left its views as placed; one that re-strided them within
+    their ranges has written them so, and the plan takes that layout (`relaid`) rather than run the op again (a
+    random op would draw twice); any other change falls back as a resize does.
+  - Nor does an out= kernel always compute the functional op's bits, or meta plan the device's layout even for
+    default layouts: `linear.out` (seen whole under inference_mode) on a 3-D input may reduce in another order
+    than `linear`; linalg_eig's eigenvectors are column-major on the CPU, row-major on meta; a batch norm in
+    eval mode saves statistics of shape (C,) on meta, (0,) on the CPU. So that first out= run is followed by the
+    functional op, and the configuration keeps its out= variant only when both gave the same sizes, the same
+    strides (where a dimension has more than one element) and the same bits (dispatch.py, `_as_functional`);
+    otherwise it takes the temporary path from then on, that call included. An op that draws random numbers or
+    writes an argument (a batch norm's running statistics in training) is not run twice: it keeps its out=
+    variant on the layout check alone.
   - A dry run cannot learn: there a convolution's output is planned as the devices lay it out, channels_last
     (channels_last_3d) when its input or weight suggests that format (`_device_conv_layout`; meta's kernel makes
     it contiguous), so that a channels_last model's later ops see the same layouts, and take the same paths, as
@@ -80,8 +88,8 @@ Approach: each plan made on `meta` for a device is also kept under its op's shap
     take the temporary path or place directly.
   The kernels that compute are those of a planned call (the functional op, as where a layout is learned), so
   are the bits, and the decisions: the outputs are placed when the op has run, with the same memory around them.
-  An in-place op (not an out= one) writes its tensors at their shapes: they are not checked on `meta` either
-  (dispatch.py, `_check_not_resized`).
+  An in-place op (not an out= one) is not checked on `meta` either: its first call per configuration on the
+  device is (dispatch.py, Note [In-place ops that resize]).
 Limitations: that first call's outputs go through temporaries outside the arena, counted in
   stats.temporary_bytes, as any configuration's first call where its layout is learned; a dry run, with no device
   to ask, plans every shape on `meta`. Other arguments are part of the shape-free key: an op given a size
@@ -152,10 +160,6 @@ _STAYS_WHOLE = {torch.ops.aten.scalar_tensor.default}
 # for all): a Linear's transposed weight does not make its first call learn a layout (`learns_layout`), which
 # would compute its output, often a step's largest (a language model's logits), into a temporary outside the arena
 _FRESH_CONTIGUOUS = {getattr(torch.ops.aten, n).default for n in ("mm", "addmm", "bmm", "baddbmm")}
-# ops whose meta kernel plans other outputs than the CPU's even for default layouts (`learns_layout`): native
-# batch norm in eval mode (saved statistics of shape (C,) on meta, (0,) and never written on the CPU) and
-# _linalg_svd of an empty matrix (Vh's strides)
-_META_DIFFERS = {torch.ops.aten.native_batch_norm.default, torch.ops.aten._linalg_svd.default}
 # ops whose meta kernel makes a channels_last input's output contiguous where every device keeps channels_last:
 # a dry run plans them as the devices lay them out (`_device_conv_layout`)
 _CONVOLUTIONS = {torch.ops.aten.convolution.default}
@@ -246,7 +250,7 @@ def _sizes_from_device(func, p: OpPlan | None) -> bool:
     """Whether a new configuration of the op of plan `p` may be sized by its run on the device (Note [Shapes
     that change])."""
     return (p is not None and (p.aliases or p.decomposes or p.out_op is None or p.plain)
-            and func not in _META_DIFFERS and func not in _CONVOLUTIONS)
+            and func not in _CONVOLUTIONS)
 
 
 def without_out(func, args, kwargs, device_type: str, plan: OpPlan) -> OpPlan:
@@ -325,6 +329,9 @@ def _key(leaves) -> tuple | None:
     for x in leaves:
         if isinstance(x, torch.Tensor):
             meta = x._meta if type(x) is Tensor else None  # as made (Note [Views kept] in tensor.py)
+            if meta is None and x.layout is not torch.strided:  # (sparse: no strides; no plan, see _make_plan)
+                out.append((x.layout, x.dtype, tuple(x.size())))
+                continue
             out.append(_TensorKey(meta[:3] if meta is not None else (x.dtype, tuple(x.size()), tuple(x.stride()))))
         elif isinstance(x, torch.ScriptObject):
             return None
@@ -381,6 +388,8 @@ def _meta(x):
 
 
 def _make_plan(func, op, leaves, spec, device_type) -> OpPlan | None:
+    if any(isinstance(x, torch.Tensor) and x.layout is not torch.strided for x in leaves):
+        return None  # a sparse tensor (COO, CSR, ...): the temporary path, which leaves sparse outputs as they are
     mleaves = [_meta(x) for x in leaves]
     margs, mkwargs = ops.unflatten(mleaves, spec)
     rng = torch.random.get_rng_state()
@@ -420,7 +429,7 @@ def _make_plan(func, op, leaves, spec, device_type) -> OpPlan | None:
     parts = (out_op is None and not aliases and not partly and not op.uninitialized
              and decomposes(func, op, device_type)
              and _parts_make_outputs(func, device_type, margs, mkwargs))
-    plain = (func not in _META_DIFFERS and all(s is None or _default_contiguous(s.size, s.stride) for s in specs)
+    plain = (all(s is None or _default_contiguous(s.size, s.stride) for s in specs)
              and (func in _FRESH_CONTIGUOUS or all(not isinstance(x, torch.Tensor) or x.is_contiguous()
                                                    for x in mleaves)))
     return OpPlan(tuple(specs), aliases, parts, out_op, names if out_op is not None else (), cost, plain=plain)

@@ -20,6 +20,7 @@ import threading
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from . import ops
 from .arena import Arena
 from .dispatch import Dispatch
 from .errors import BudgetUsageError, OutOfBudget, TensorLost, Thrashing, _internal_assert
@@ -111,7 +112,7 @@ class Runtime:
         readers = self.dispatch._ext_readers
         work = []
         for t in tensors:
-            work.extend(r() for r in readers.pop(t.untyped_storage()._cdata, ()))
+            work.extend(r() for r in readers.pop(ops.storage_key(t), ()))
         work = [s for s in work if s is not None]
         if not work:
             return
