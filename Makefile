@@ -13,7 +13,7 @@ KERNEL_ENV := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/d
 EVAL_VENV := .venv-eval
 EVAL_PY   := $(EVAL_VENV)/bin/python
 
-.PHONY: demo test bench chain peers evaluate evaluate-quick gpu-check clean
+.PHONY: opinfo zoo demo test bench chain peers evaluate evaluate-quick gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -49,6 +49,16 @@ chain: $(VENV)/.installed
 # budget on bench/peer_models.py's GPT and ResNet: bench/results/peers.md (11 to 14 minutes on 2 cores).
 peers: $(VENV)/.installed
 	$(PY) -m bench.peers
+
+# PyTorch's OpInfo database under a Budget, bitwise against plain PyTorch: bench/results/opinfo.md (a fast subset
+# runs in make test: tests/test_opinfo.py).
+opinfo: $(VENV)/.installed
+	$(PY) -m bench.opinfo --samples 2 --out bench/results/opinfo.md
+
+# Models of timm and transformers built from configs, trained under Budgets at 1.0, 0.5 and 0.3 of their peak,
+# bitwise against plain PyTorch: bench/results/zoo.md (the evaluation environment: timm needs torchvision).
+zoo: $(EVAL_VENV)/.installed
+	$(EVAL_PY) -m bench.zoo --out bench/results/zoo.md
 
 # The paper's evaluation: nine models, every policy and ablation, dry runs on meta (about 15 minutes on 2 cores).
 evaluate: $(EVAL_VENV)/.installed
