@@ -907,7 +907,8 @@ class Dispatch:
                 if isinstance(o, torch.Tensor) and self.arena.owns(o):  # it aliases an input: a view
                     out_leaves[j] = self._wrap_alias(o, call.inputs, func)
                 elif (isinstance(o, torch.Tensor) and o.device == self.device and o.numel() > 0
-                      and not host and j not in _HOST_OUTPUTS.get(func, ()) and j not in plain_outputs
+                      and not host and j not in _HOST_OUTPUTS.get(func, ())
+                      and (j not in plain_outputs or o._is_zerotensor())  # (no memory to leave outside)
                       and o.untyped_storage()._cdata not in outside):
                     alive += o.numel() * o.element_size()
                     out_leaves[j] = self._place_output(o, recipe, j, call.inputs, evictable, func, placed)
@@ -1260,7 +1261,8 @@ class Dispatch:
             elif isinstance(x, torch.Tensor):
                 if self.arena.owns(x):
                     owner[i] = self._storage_at(x, func)
-                elif x.layout == torch.strided and x.data_ptr() == 0 and x.numel() and x.device.type != "meta":
+                elif (x.layout == torch.strided and x.data_ptr() == 0 and x.numel() and x.device.type != "meta"
+                      and not x._is_zerotensor()):  # (a zero tensor of autograd's has no memory, by design)
                     raise BudgetUsageError(  # reading its bytes would crash the interpreter
                         f"{func} got a tensor of shape {list(x.shape)} with no memory: a tensor from before the "
                         f"Budget whose data was replaced by a tensor made inside it (`p.data = t`, or module.to(), "

@@ -237,3 +237,17 @@ def test_quantization_aware_training_is_exact():
     probe = _budget()
     assert all(torch.equal(a, b) for a, b in zip(step(probe), plain))
     assert probe.stats.lower_bound >= probe.stats.peak_bytes, probe.stats
+
+
+def test_a_gradient_that_autograd_makes_as_a_zero_tensor_is_exact():
+    """sgn's backward gives a ZeroTensor (`_efficientzerotensor`: no memory, by design); as a leaf's gradient it
+    used to stay outside the arena and be refused as a tensor whose memory was gone."""
+    def step(budget):
+        x = torch.randn(20, 20, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        with budget if budget is not None else torch.enable_grad():
+            h = x.tanh().exp()
+            (g,) = torch.autograd.grad((x.sgn() * 3 + h).sum(), [x], retain_graph=True)
+            (x.sgn().sum() + h.sum()).backward()
+        return [g.detach().clone(), x.grad]
+
+    _exact_when_ample_and_tight(step)
