@@ -13,7 +13,7 @@ KERNEL_ENV := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/d
 EVAL_VENV := .venv-eval
 EVAL_PY   := $(EVAL_VENV)/bin/python
 
-.PHONY: opinfo zoo demo test bench chain peers evaluate evaluate-quick gpu-check clean
+.PHONY: opinfo zoo demo test docs bench chain peers evaluate evaluate-quick gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -32,6 +32,15 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(KERNEL_ENV) $(PY) -m pytest -q tests
+
+# The documentation site (mkdocs.yml, docs/), built strictly into site/: a broken link, a missing anchor or a
+# docstring mkdocstrings cannot read fails the build.
+$(VENV)/.docs-installed: $(VENV)/.installed
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[docs]"
+	touch $@
+
+docs: $(VENV)/.docs-installed
+	$(PY) -m mkdocs build --strict --site-dir site
 
 bench: $(VENV)/.installed
 	$(KERNEL_ENV) $(PY) -m pytest -q bench/test_search_latency.py --benchmark-only \
