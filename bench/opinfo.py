@@ -147,8 +147,8 @@ def _under(budget, fn, variant, sample):
 UNINITIALIZED = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty_permuted"}
 
 
-def run_case(fn, variant, sample, policies=("coop",), tight=True) -> tuple[str, str, int]:
-    """(outcome, detail, evictions) of one case (see the module's docstring)."""
+def run_case(fn, variant, sample, policies=("coop",), tight=True, name: str = "") -> tuple[str, str, int]:
+    """(outcome, detail, evictions) of one case (see the module's docstring); `name`: the op's, in op_db."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -159,7 +159,7 @@ def run_case(fn, variant, sample, policies=("coop",), tight=True) -> tuple[str, 
             again = _step(fn, variant, _inputs(sample))
         except Exception as e:
             return "plain fails", f"{type(e).__name__} (second call)", 0
-        if getattr(fn, "__name__", "") in UNINITIALIZED or not same(plain, again):
+        if name.split(".")[0] in UNINITIALIZED or not same(plain, again):
             return "nondeterministic", "plain PyTorch's bits differ between identical calls (or are uninitialized)", 0
         try:
             inputs = _inputs(sample)
@@ -219,7 +219,7 @@ def main(argv=None):
         def tqdm(x, **_):
             return x
     for name, variant, i, fn, sample in tqdm(list(cases(ops, a.samples)), desc="opinfo", unit="case"):
-        outcome, detail, evictions = run_case(fn, variant, sample, policies=("coop", "dtr"))
+        outcome, detail, evictions = run_case(fn, variant, sample, policies=("coop", "dtr"), name=name)
         counts[outcome] += 1
         rows.append((name, variant, i, outcome, detail, evictions))
     elapsed = time.perf_counter() - start

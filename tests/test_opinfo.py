@@ -50,7 +50,7 @@ def test_the_subset_names_ops_of_the_database():
 @pytest.mark.parametrize("fn, variant, sample", _ALL)
 def test_an_opinfo_sample_trains_exactly_under_a_budget(request, fn, variant, sample):
     name = request.node.callspec.id.rsplit("-", 1)[0]
-    outcome, detail, _ = opinfo.run_case(fn, variant, sample, policies=("coop",))
+    outcome, detail, _ = opinfo.run_case(fn, variant, sample, policies=("coop",), name=name)
     expected, why = KNOWN.get((name, variant), ("exact", ""))
     if outcome in ("plain fails", "nondeterministic"):
         pytest.skip(f"{outcome}: {detail}")
