@@ -34,15 +34,17 @@ class Footprint:
     largest: int      # the largest single allocation that is not kept
 
 
-def allocations(prof, device_type: str, skip_range: str | None = None) -> list:
+def allocations(prof, device_type: str, skip_range: str | tuple = ()) -> list:
     """The profiler's allocation events on `device_type`, in time order: (ns, id, address, signed bytes).
-    Allocations made inside a range (record_function) named `skip_range` are left out, and so their frees."""
+    Allocations made inside a range (record_function) named `skip_range` (or one of them) are left out, and so
+    their frees."""
     from torch._C._profiler import _EventType
 
+    skip = {skip_range} if isinstance(skip_range, str) else set(skip_range)
     out, work = [], [(n, False) for n in prof.profiler.kineto_results.experimental_event_tree()]
     while work:
         node, skipped = work.pop()
-        skipped = skipped or (skip_range is not None and node.name == skip_range)
+        skipped = skipped or node.name in skip
         work.extend((c, skipped) for c in node.children)
         if node.typed[0] == _EventType.Allocation and not (skipped and node.typed[1].alloc_size > 0):
             a = node.typed[1]

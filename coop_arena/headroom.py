@@ -18,7 +18,10 @@ Approach:
     The headroom becomes that peak (rounded up to the alignment), and when that changes it the arena is made
     again at `nbytes - headroom` before the next block (it is empty between blocks), which is observed too. The
     first block also runs one-time work outside the arena (the probes of new op configurations, layouts learned
-    through temporaries: dispatch.py), so the second observed block may lower the headroom again; from the third
+    through temporaries: dispatch.py), so the second observed block may lower the headroom again (the functional
+  op a configuration's first out= run is compared with, a whole output outside the arena, runs in a ONE_TIME
+  range that the observer leaves out: a 64 MiB log-softmax compared in the first block set a headroom that
+  kept a GPT's later steps from fitting at 0.55 of its footprint); from the third
     on it only grows, so the learning ends. A block whose peak leaves the headroom as it is ends it: later
     blocks run unobserved, at no cost, until a block plans an op configuration it had not met (new shapes),
     whose successor is observed. Each change of the arena's size restarts step replay (Note [Step replay]).
@@ -29,7 +32,9 @@ Approach:
   - `stats.temporary_peak` is the observed outside peak when the block was observed (`stats.footprint_observed`),
     else the larger of the peak observed last at this arena size and the engine's own count of its temporaries;
     `stats.footprint_peak` is the arena's bytes plus it.
-Limitations: memory a kernel allocates without PyTorch's allocators (some cuDNN / oneDNN workspaces, CUDA's
+Limitations: a configuration first met after the headroom is learned (a new shape) compares its out= run
+  with the functional op then: that one step allocates one output outside the arena beyond its headroom. Memory
+  a kernel allocates without PyTorch's allocators (some cuDNN / oneDNN workspaces, CUDA's
   context) is not seen, by the observer or by a user's profiler. The profiler slows the blocks it observes (two or
   three). A block that runs while another profiler is active (a user's `torch.profiler`) is not
   observed. A dry run (`meta`) allocates nothing: its headroom stays as given (0 when learned), and
@@ -48,6 +53,7 @@ from .footprint import allocations, transient_peak
 
 _ONE = threading.Lock()  # the profiler is the process's: one block observed at a time, whichever thread runs it
 MODEL_STATE = "coop_arena::model_state"  # the range around an allocation of model state (a gradient's copy out)
+ONE_TIME = "coop_arena::one_time"  # the range around a configuration's one-time check outside the arena
 _NULL = contextlib.nullcontext()
 
 
@@ -55,6 +61,13 @@ def model_state():
     """A context around an allocation of model state made inside a block (a leaf's gradient copied out of the
     arena): the observer leaves it out, even when it is freed before the block ends (`p.grad = None` in it)."""
     return torch._C._profiler._RecordFunctionFast(MODEL_STATE) if _ONE.locked() else _NULL
+
+
+def one_time():
+    """A context around work outside the arena that the engine does once per op configuration, not at every step
+    (the functional op a first out= run is compared with: dispatch.py, `_as_functional`): the observer leaves it
+    out, so that it does not set the headroom of every later step."""
+    return torch._C._profiler._RecordFunctionFast(ONE_TIME) if _ONE.locked() else _NULL
 
 
 class Observer:
@@ -86,7 +99,7 @@ class Observer:
             return None
         try:
             prof.__exit__(None, None, None)
-            return transient_peak(allocations(prof, self.device.type, skip_range=MODEL_STATE))
+            return transient_peak(allocations(prof, self.device.type, skip_range=(MODEL_STATE, ONE_TIME)))
         except Exception:
             return None
         finally:
