@@ -641,7 +641,7 @@ class Budget:
     @property
     def trace(self) -> list:
         """The memory events (alloc, evict, restore, free, move) of the block in progress or of the most recent
-        one, oldest first, at most `trace_len` of them."""
+        one, oldest first, at most `trace_len` of them; each names the op the runtime was running (`Event.op`)."""
         return list(self.memory.trace.events) if self._runtime is not None else self._trace
 
     def check_invariants(self) -> None:
@@ -707,6 +707,7 @@ def pinned(t: Tensor, *, readonly: bool = False):
         return
     rt.arena.check_stream("coop_arena.pinned")  # Note [Streams] in arena.py
     with plain_dispatch():
+        rt.memory.op = "coop_arena.pinned"  # the cause of the restores it needs, in the trace
         rt.remat.acquire([s], "coop_arena.pinned")
         rt.memory.fix(s)  # the raw view must stay valid: never relocated either
         raw = rt.arena.view(s.offset, t.dtype, t.size(), t.stride(), t.storage_offset())

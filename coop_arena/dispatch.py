@@ -404,6 +404,7 @@ class Dispatch:
               and not (self.bookkeeping is not None and self.bookkeeping.active())):  # (an optimizer's state: not)
             return self._lifted(args[0])
         op = ops.info(func)
+        memory.op = op.name  # what the memory events from here on were for (Note [Memory snapshots])
         if op.effectful:  # See Rule 5: collectives.py
             return collectives.run(self, func, args, kwargs)
         if op.inplace_view:

@@ -284,6 +284,7 @@ class Lifetime:
             self._finish(failed)
 
     def _finish(self, failed: bool) -> None:
+        self.memory.op = "block exit"  # the cause the trace records for the events from here on
         self._rolling = True  # no rolling forward: the exit copies out what is still held itself, and counts it
         if failed:  # the arena is reset next: free nothing, since an interrupt may have stopped a table update halfway
             for s in self.dead:

@@ -139,6 +139,7 @@ class Memory:
                                                 # cost] in storage.py); refreshed before every plan
         self._walked: set[int] = set()          # evicted storages walked through since the last plan
         self.clock = 0.0
+        self.op: str | None = None  # the op the runtime is running (set by it), which each event records as its cause
         self.stats = MemoryStats(budget=self.table.usable)
         self.trace = Trace(self.trace_len)
         self._replay: Replay | None = None  # Note [Step replay]: this block's recording, and what it follows
@@ -189,7 +190,7 @@ class Memory:
             self._resync()
 
     def _event(self, kind: str, sid: int, offset: int, nbytes: int) -> None:
-        e = _event(Event, (kind, sid, offset, nbytes, self.clock))
+        e = _event(Event, (kind, sid, offset, nbytes, self.clock, self.op))
         self.trace.events.append(e)
         r = self._replay
         if r is not None and not r.add(e):

@@ -77,13 +77,19 @@ class Steps:
     def _before(self, optimizer, args, kwargs):
         if threading.get_ident() != self.thread:
             return None
-        self.runtime.settle(_touched(optimizer))
+        self._settle(optimizer)
         self.frames.append(sys._getframe(1))  # the frame of torch.optim's step wrapper, alive while the step runs
         if len(args) > 1 and callable(args[1]):
             return (args[0], self._resumed(args[1], optimizer), *args[2:]), kwargs
         if callable(kwargs.get("closure")):
             return args, {**kwargs, "closure": self._resumed(kwargs["closure"], optimizer)}
         return None
+
+    def _settle(self, optimizer) -> None:
+        """Settle what the step is about to overwrite (Runtime.settle); the trace records the step as the cause of
+        the memory events that takes."""
+        self.runtime.memory.op = f"{type(optimizer).__name__}.step"
+        self.runtime.settle(_touched(optimizer))
 
     def _after(self, optimizer, args, kwargs):
         if threading.get_ident() != self.thread:
@@ -102,7 +108,7 @@ class Steps:
                 loss = closure(*a, **k)
             finally:
                 self.frames.pop()
-            self.runtime.settle(_touched(optimizer))
+            self._settle(optimizer)
             return loss
         return under_budget
 

@@ -8,9 +8,9 @@ Rationale: training repeats one step, and the engine's decisions depend only on 
   costs and the walks that mark them stale along chains of evicted storages.
 Approach:
   - Each block of a Budget made with `replay=True` records its stream: every op as (op, the sids of the arena
-    storages it reads, the clock), every memory event (alloc, restore, evict, free, move, with sid, offset, bytes
-    and clock), and the changes of the records that no event shows (a storage made unevictable, a write that adds
-    cost and inputs to one, an address fixed by `pinned()`), in order; and for each placement that needed
+    storages it reads, the clock), every memory event (alloc, restore, evict, free, move, with sid, offset, bytes,
+    clock and op), and the changes of the records that no event shows (a storage made unevictable, a write that
+    adds cost and inputs to one, an address fixed by `pinned()`), in order; and for each placement that needed
     eviction, what was applied there: the victims' offsets, the blocks moved or slid and where to, the stats
     it added, or that no plan was found (FAILED: the placement raised OutOfBudget, which a restore's fallback
     can catch and go on from, so the block goes on too).

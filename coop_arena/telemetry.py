@@ -92,9 +92,10 @@ class Event(NamedTuple):
     offset: int
     nbytes: int
     clock: float
+    op: str | None = None  # the op the runtime was running when it happened (Memory.op); None outside a runtime
 
 
-_event = tuple.__new__  # an Event from its five fields, without NamedTuple's keyword handling (one per memory event)
+_event = tuple.__new__  # an Event from its six fields, without NamedTuple's keyword handling (one per memory event)
 
 
 @dataclass(slots=True)
@@ -107,8 +108,8 @@ class Trace:
     def __post_init__(self):
         self.events = deque(maxlen=self.maxlen)
 
-    def add(self, kind: str, sid: int, offset: int, nbytes: int, clock: float) -> None:
-        self.events.append(_event(Event, (kind, sid, offset, nbytes, clock)))
+    def add(self, kind: str, sid: int, offset: int, nbytes: int, clock: float, op: str | None = None) -> None:
+        self.events.append(_event(Event, (kind, sid, offset, nbytes, clock, op)))
 
     def evictions(self) -> list[int]:
         return [e.sid for e in self.events if e.kind == "evict"]
