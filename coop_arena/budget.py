@@ -45,6 +45,7 @@ from .optimizer import Steps
 from .policy import POLICIES
 from .recipe import close_entered, entered, plain_dispatch
 from .runtime import Runtime, raise_recursion_limit
+from .snapshot import memory_snapshot as _memory_snapshot
 from .tensor import Tensor
 
 _active = threading.local()
@@ -333,7 +334,8 @@ class Budget:
         over); an int from 0 to nbytes - alignment to fix it (0: the arena is the whole budget and temporaries are
         outside the cap, as in a dry run).
 
-    After a block: `stats` (BudgetStats, plain data), `trace` (its memory events), `snapshot()` (the blocks).
+    After a block: `stats` (BudgetStats, plain data), `trace` (its memory events), `snapshot()` (the blocks),
+    `memory_snapshot()` (both, in the format of PyTorch's memory viewer).
     """
 
     def __init__(self, nbytes: int, *, device=None, policy: str = "coop", partition: bool = True,
@@ -403,6 +405,8 @@ class Budget:
         self._bookkeeping: Bookkeeping | None = None
         self._stats: BudgetStats | None = None
         self._trace: list = []
+        self._traced_at = self.arena.buffer.data_ptr()  # the arena the block of `_trace` ran in (the next block
+        # may get another: Note [Headroom])
         self._owner: int | None = None  # the thread whose block is open; __enter__ and the end of __exit__ only
         self._entered = 0  # the thread's `whole`s open when the block opened (recipe.close_entered)
 
@@ -572,6 +576,7 @@ class Budget:
                             f"model.to('meta')), or make the Budget with device='{rt.counters.off_arena_device}'",
                             RuntimeWarning, stacklevel=2)
                     self._trace = list(self.memory.trace.events)
+                    self._traced_at = self.arena.buffer.data_ptr()
                     recording = self.memory.take_recording()
                     if recording is not None and exc_type is None:  # (a failed block's stream is no step to follow)
                         self._recording = recording
@@ -643,6 +648,24 @@ class Budget:
         """The memory events (alloc, evict, restore, free, move) of the block in progress or of the most recent
         one, oldest first, at most `trace_len` of them; each names the op the runtime was running (`Event.op`)."""
         return list(self.memory.trace.events) if self._runtime is not None else self._trace
+
+    def memory_snapshot(self) -> dict:
+        """The memory events of the block in progress or of the most recent one, and the arena's blocks, as
+        `torch.cuda.memory._snapshot()` returns a snapshot (Note [Memory snapshots] in snapshot.py): pickle it
+        (`coop_arena.snapshot.write(s, "step.pickle")`) and open it at pytorch.org/memory_viz, or pass it to the
+        functions of `torch.cuda._memory_viz`. Warns when the trace may have lost the block's first events (more
+        than `trace_len` of them)."""
+        live = self._runtime is not None
+        events = self.trace
+        if len(events) >= self.memory.trace_len:
+            warnings.warn(f"the trace of {self!r} holds {len(events)} memory events, as many as trace_len keeps: any "
+                          f"before them are missing from the snapshot, and with them the blocks and frees of the "
+                          f"storages they placed. Make the Budget with a larger trace_len to keep a whole step",
+                          RuntimeWarning, stacklevel=2)
+        return _memory_snapshot(events, capacity=self.memory.budget if live or self._stats is None else
+                                self._stats.budget, alignment=self.memory.table.alignment,
+                                address=self.arena.buffer.data_ptr() if live else self._traced_at,
+                                device=self.device.index or 0, blocks=self.memory.snapshot() if live else None)
 
     def check_invariants(self) -> None:
         """The block table's invariants, and the split of `nbytes` (Note [Headroom]): the arena and the headroom
