@@ -21,6 +21,12 @@ def main(argv=None) -> int:
                                                                 "8 otherwise")
     plan.add_argument("--budget", default="0.5", help="bytes with a unit (8GiB, 512MiB) or a ratio of the plain peak "
                                                       "in (0, 1] (default: 0.5)")
+    plan.add_argument("--snapshot", metavar="FILE.pickle", default=None,
+                      help="write the memory snapshot of coop's dry run, in the format of "
+                           "torch.cuda.memory._snapshot() (open it at https://pytorch.org/memory_viz)")
+    plan.add_argument("--plot", metavar="FILE.png", default=None,
+                      help="draw the arena's occupancy over coop's dry run, evictions and recomputations marked "
+                           "(.png, .svg or .pdf)")
     ev = sub.add_parser("evaluate", help="sweep memory ratios for the model suite, every policy and ablation; "
                                          "write results.json, summary.md and figures")
     ev.add_argument("--models", nargs="+", default=None,
@@ -69,7 +75,7 @@ def main(argv=None) -> int:
         if args.batch is not None and args.batch <= 0:
             parser.error(f"--batch must be positive, got {args.batch}")
         try:
-            run_plan(args.model, args.batch, args.budget)
+            run_plan(args.model, args.batch, args.budget, snapshot=args.snapshot, plot=args.plot)
         except ValueError as e:
             parser.error(str(e))
         return 0

@@ -9,6 +9,7 @@ import math
 import re
 import warnings
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -18,8 +19,12 @@ from .blocks import ALIGNMENT as _SMALLEST  # the smallest arena a Budget makes
 from .budget import Budget
 from .errors import CoopArenaError, OutOfBudget, UnsupportedOp, in_units
 from .policy import POLICIES
+from .snapshot import write as write_snapshot
 
 _FACTORY = "module:function, where function(batch) returns (model, example_inputs)"
+
+SNAPSHOT_EVENTS = 1 << 20  # the memory events coop's run keeps for --snapshot and --plot (Note [Memory snapshots])
+PLOT_FORMATS = (".png", ".svg", ".pdf")
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30,
           "tib": 2**40}
@@ -166,10 +171,29 @@ def step(model, inputs, budget: Budget) -> None:
             p.grad = None
 
 
-def plan(spec: str, batch: int | None, budget_text: str, console: Console | None = None) -> dict:
+def _output_file(path, flag: str, suffixes: tuple = ()) -> Path:
+    """`path` as the file an option (`flag`) writes: ValueError, before any work, where it cannot be one."""
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{flag} {str(path)!r} is a folder: give a file name")
+    if not p.parent.is_dir():
+        raise ValueError(f"{flag} {str(path)!r}: no folder {str(p.parent)!r} to write it in")
+    if suffixes and p.suffix.lower() not in suffixes:
+        raise ValueError(f"{flag} {str(path)!r}: give a file name ending in {', '.join(suffixes)}")
+    return p
+
+
+def plan(spec: str, batch: int | None, budget_text: str, console: Console | None = None, *,
+         snapshot=None, plot=None) -> dict:
     """Plain peak, lower bound, and per policy: fits?, overhead, evictions, fragmentation. `batch=None` takes
-    the suite's batch size for a suite model, 8 otherwise."""
+    the suite's batch size for a suite model, 8 otherwise. `snapshot`: a file to pickle the memory snapshot of
+    coop's run to (Budget.memory_snapshot(), PyTorch's format); `plot`: a .png, .svg or .pdf file for the arena's
+    occupancy over that run (figures.occupancy). Both are written whether the run fits or not."""
     from .suite import default_batch
+    if snapshot is not None:
+        snapshot = _output_file(snapshot, "--snapshot")
+    if plot is not None:
+        plot = _output_file(plot, "--plot", PLOT_FORMATS)
     kind, value = parse_budget(budget_text)
     if kind == "bytes" and value < _SMALLEST:
         text = budget_text.strip()
@@ -213,7 +237,8 @@ def plan(spec: str, batch: int | None, budget_text: str, console: Console | None
         table.add_column(col, justify="right")
     from .evaluate import CONFIGS  # the evaluation's baselines: dtr and dte with address-oblivious placement
     for policy in POLICIES:
-        b = Budget(nbytes, device="meta", **CONFIGS[policy])
+        traced = policy == "coop" and (snapshot is not None or plot is not None)
+        b = Budget(nbytes, device="meta", **CONFIGS[policy], **(dict(trace_len=SNAPSHOT_EVENTS) if traced else {}))
         try:
             with warnings.catch_warnings():  # (the table reports the overhead; the warning would advise `plan`)
                 warnings.filterwarnings("ignore", message="this step is thrashing", category=RuntimeWarning)
@@ -228,6 +253,8 @@ def plan(spec: str, batch: int | None, budget_text: str, console: Console | None
             row = {"fits": False, "error": str(e)}
             table.add_row(policy, f"no ({e.op})", "-", "-", "-", "-")
         result["policies"][policy] = row
+        if traced:
+            _save_run(b, snapshot, plot, f"{spec}, batch {batch}, coop in {_size(nbytes)}", result)
     console.print(table)
     if any(r.get("restores_in_turn") for r in result["policies"].values()):
         console.print("* fits only because some ops' inputs, which did not fit back at once, were restored one at a "
@@ -236,4 +263,22 @@ def plan(spec: str, batch: int | None, budget_text: str, console: Console | None
     for policy, row in result["policies"].items():
         if not row["fits"]:
             console.print(f"{policy} does not fit: {row['error']}", highlight=False)
+    if snapshot is not None:
+        console.print(f"Memory snapshot of coop's run: {snapshot} (open it at https://pytorch.org/memory_viz, or "
+                      f"python -m torch.cuda._memory_viz trace_plot {snapshot} -o trace.html)", highlight=False)
+    if plot is not None:
+        console.print(f"Arena occupancy of coop's run: {plot}", highlight=False)
     return result
+
+
+def _save_run(budget: Budget, snapshot: Path | None, plot: Path | None, title: str, result: dict) -> None:
+    """Write the memory snapshot of `budget`'s last block to `snapshot` and its occupancy figure to `plot`."""
+    snap = budget.memory_snapshot()
+    try:
+        if snapshot is not None:
+            result["snapshot"] = str(write_snapshot(snap, snapshot))
+        if plot is not None:
+            from .figures import occupancy
+            result["plot"] = str(occupancy(snap, plot, title))
+    except OSError as e:
+        raise ValueError(f"cannot write {e.filename or snapshot}: {e.strerror or e}") from e

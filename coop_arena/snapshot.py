@@ -1,6 +1,6 @@
 """Memory snapshots in PyTorch's own format: a block's memory events and its arena's blocks as the dict that
 `torch.cuda.memory._snapshot()` returns, for PyTorch's viewer (pytorch.org/memory_viz) and
-`torch.cuda._memory_viz`. `Budget.memory_snapshot()` makes one.
+`torch.cuda._memory_viz`. `Budget.memory_snapshot()` makes one; `coop-arena plan --snapshot` writes one.
 
 Note [Memory snapshots]
 Rationale: PyTorch users read a step's memory in PyTorch's viewer, from a pickled snapshot of the caching
@@ -45,7 +45,7 @@ Approach: `memory_snapshot` converts a block's trace (telemetry.Event, oldest fi
 Limitations: the trace keeps the last `trace_len` events of a block. When a block had more, an eviction, free or
   move of a storage placed before the first kept event has no known address and is left out (a move then shows
   as an alloc at its new address), and after the block the segment lacks the blocks placed before it: the
-  Budget warns.
+  Budget warns, and `coop-arena plan --snapshot` keeps up to 2**20 events.
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
 """Memory snapshots in PyTorch's format (Note [Memory snapshots] in coop_arena/snapshot.py): a real CPU step under a
-tight Budget, read by torch.cuda._memory_viz's own functions (plain Python, no GPU)."""
+tight Budget, read by torch.cuda._memory_viz's own functions (plain Python, no GPU), and `coop-arena plan
+--snapshot/--plot`."""
 
 import base64
+import contextlib
 import copy
+import io
 import json
 import pickle
 import re
@@ -12,9 +15,12 @@ from collections import Counter
 import pytest
 import torch
 import torch.cuda._memory_viz as viz
+from rich.console import Console
 
 import coop_arena
+from coop_arena.cli import main
 from coop_arena.examples import MODELS, batch, loss_fn
+from coop_arena.plan import plan
 from coop_arena.snapshot import FILENAME, kind, memory_snapshot, timeline, write
 
 _LINES = dict(format_flamegraph=lambda lines: lines)  # the flame graph's input, without its Perl script
@@ -184,3 +190,49 @@ def test_memory_snapshot_refuses_bad_arguments():
     for bad in (dict(capacity=0), dict(capacity=True), dict(alignment=1.5), dict(address=-1), dict(device="0")):
         with pytest.raises(ValueError):
             memory_snapshot([], **{"capacity": 512, "alignment": 512, **bad})
+
+
+def test_plan_writes_a_snapshot_and_a_plot(tmp_path):
+    pickled, png = tmp_path / "step.pickle", tmp_path / "step.png"
+    r = plan("mlp", 16, "0.3", Console(file=io.StringIO()), snapshot=pickled, plot=png)
+    coop = r["policies"]["coop"]
+    with open(pickled, "rb") as f:
+        snap = pickle.load(f)
+    (segment,) = snap["segments"]
+    assert segment["address"] == 0 and segment["device"] == 0  # a dry run on meta
+    assert segment["total_size"] <= r["budget"]
+    curve, _ = _replay(snap["device_traces"][0], segment)
+    assert max(curve) == coop["peak_bytes"]
+    assert sum(kind(e) == "evict" for e in snap["device_traces"][0]) >= 2 * coop["evictions"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert max(used for _, used in timeline(snap)) == coop["peak_bytes"]
+
+
+def test_plan_of_a_step_that_cannot_fit_writes_its_out_of_budget(tmp_path):
+    r = plan("cnn", 8, "64KiB", Console(file=io.StringIO()), snapshot=tmp_path / "oom.pickle")
+    assert not r["policies"]["coop"]["fits"]
+    with open(tmp_path / "oom.pickle", "rb") as f:
+        snap = pickle.load(f)
+    last = snap["device_traces"][0][-1]
+    assert kind(last) == "oom" and last["size"] == 64 << 10 and last["device_free"] >= 0
+    assert "for aten.native_batch_norm.default" in last["frames"][0]["name"]
+    assert "raise OutOfMemoryError # 64.0KiB requested" in viz.trace(snap)
+
+
+def test_cli_flags(tmp_path, capsys):
+    pickled, png = tmp_path / "s.pickle", tmp_path / "p.png"
+    assert main(["plan", "mlp", "--batch", "8", "--budget", "0.4", "--snapshot", str(pickled),
+                 "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "pytorch.org/memory_viz" in out and str(png) in out
+    with open(pickled, "rb") as f:
+        assert "segments: 1" in viz.segsum(pickle.load(f))
+    assert png.stat().st_size > 1000
+    for args, message in ((["--plot", str(tmp_path / "p.gif")], "ending in .png, .svg, .pdf"),
+                          (["--snapshot", str(tmp_path / "no" / "s.pickle")], "no folder"),
+                          (["--snapshot", str(tmp_path)], "is a folder")):
+        with pytest.raises(SystemExit) as e, contextlib.redirect_stdout(io.StringIO()):
+            main(["plan", "mlp", "--batch", "8", *args])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err
