@@ -25,6 +25,7 @@ dropped); ops whose output is uninitialized memory (the empty family) are record
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import numpy as np
@@ -184,13 +185,6 @@ def _reads_leaf(call, v) -> bool:
 _DATA_DEPENDENT = {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output}
 
 
-def _numel(size) -> int:
-    n = 1
-    for d in size:
-        n *= d
-    return n
-
-
 def _named(call: _Call, name: str) -> tuple:
     """(position, value) of the op's schema argument `name` in this call (None where left at its default)."""
     pos = next(i for i, a in enumerate(call.func._schema.arguments) if a.name == name)
@@ -345,7 +339,7 @@ def _host_bytes(t: torch.Tensor) -> torch.Tensor:
 #   (Arena.fixed_view, as out= arguments get: _fix_out_args): a kernel that grows it raises before writing, and one
 #   that re-shapes it within its range is seen afterwards. Either refuses the op with UnsupportedOp, which names
 #   the functional op to call instead. A configuration that kept `self` is remembered (`_KEEPS_SELF`): later calls
-#   pay nothing.
+#   pay the lookup of its key.
 # Limitations: a re-shape within the range is found once the kernel has written (the tensor was made in the block,
 #   and the block ends with the error). A dry run on `meta` fails as `meta` does (its decomposition's error).
 _KEEPS_SELF: set = set()
@@ -532,7 +526,7 @@ class Dispatch:
                                   flat=(call.leaves, call.spec))
         if (not torch.is_grad_enabled() and plan is not None and not isinstance(plan, placement.Sizing)
                 and not plan.aliases):
-            leaf_outputs = self._leaf_gradients(call, [None if o is None else (o.dtype, _numel(o.size))
+            leaf_outputs = self._leaf_gradients(call, [None if o is None else (o.dtype, math.prod(o.size))
                                                        for o in plan.outputs])
             if leaf_outputs:  # Note [Gradients of leaves]
                 self._bind(call, owner)
@@ -712,9 +706,10 @@ class Dispatch:
         self.runtime.settle([t for pos, t in externals if pos in written])
         return None
 
-    def _after_probe(self, probe, key) -> frozenset:
-        """The writes a first call's probe found: remembered under `key`, and settled (_settle_probed)."""
-        written = key[0][key[1]] = _probed_writes(probe)
+    def _after_probe(self, probe, key, probed: frozenset | None = None) -> frozenset:
+        """The writes a first call's probe found (`probed`, where the caller has them already): remembered under
+        `key`, and settled (_settle_probed)."""
+        written = key[0][key[1]] = _probed_writes(probe) if probed is None else probed
         self._settle_probed(probe, written)
         return written
 
@@ -779,6 +774,7 @@ class Dispatch:
                      if s is not None else torch.empty(o.size, dtype=o.dtype, device=self.device)
                      for s, o in zip(placed, plan.outputs)]
             rng = capture_rng(self.device, call.op, call.pargs, call.pkwargs)
+            probed = None  # what the probe found the op to write (computed once: _as_functional, _after_probe)
             if plan.out_op is not None:  # else uninitialized memory (the empty family): nothing to write
                 try:
                     plan.out_op(*call.pargs, **call.pkwargs, **dict(zip(plan.out_names, views)))
@@ -788,18 +784,20 @@ class Dispatch:
                     raise
                 if call.op.random is None:  # Note [Custom ops that draw]
                     rng = _drew(call, rng)
+                if probe is not None:
+                    probed = _probed_writes(probe)
                 if guard:
                     if not placement.same_layout(plan, views):  # re-strided in place: Note [Direct placement]
                         plan = placement.relaid(func, call.args, call.kwargs, self.device.type, plan, views)
                         if plan is None:
                             raise _Grows
-                    if not self._as_functional(call, views, probe, written, rng):  # Note [Direct placement]
+                    if not self._as_functional(call, views, probed, written, rng):  # Note [Direct placement]
                         raise _Grows
                     plan.checked.append(True)
             memory.may_relocate = True
             self._account(plan.cost)
             if probe is not None:
-                written = self._after_probe(probe, key)
+                written = self._after_probe(probe, key, probed)
             rargs, rkwargs = ops.unflatten(call.recorded, call.spec)
             recipe = Recipe.make(func, rargs, rkwargs, rng, plan.cost, uninitialized=call.op.uninitialized,
                                  grad_mode=torch.is_grad_enabled(), direct=plan, leaves=call.recorded)
@@ -818,22 +816,18 @@ class Dispatch:
                 results.append(self.lifetime.wrap(s, o.dtype, o.size, o.stride, 0, view=None if guard else v))
             self.counters.count_placed(sum(o.nbytes for o in plan.outputs), 0, 0)
         except BaseException:
-            for s in placed:
-                if s is not None:
-                    memory.unpin(s)
-                    self.lifetime.forget(s)
+            self._unplace(placed)
             raise
         placed = [s for s in placed if s is not None]
         self._placed(call, placed, recipe)
         return tuple(results) if len(plan.outputs) > 1 else results[0]
 
-    def _as_functional(self, call: _Call, views, probe, written, rng) -> bool:
+    def _as_functional(self, call: _Call, views, probed, written, rng) -> bool:
         """Whether the out= variant wrote what the functional op computes, bit for bit and with its layout: the
         first call of a configuration on the device runs the functional op too and compares (Note [Direct
         placement]). Not for an op that draws random numbers or writes what it reads (its second run would see
         other inputs): those keep the out= variant."""
-        if (call.op.random or rng is not None or call.stats or written
-                or (probe is not None and _probed_writes(probe))):
+        if call.op.random or rng is not None or call.stats or written or probed:
             return True
         with headroom.one_time():  # (once per configuration: not a temporary of every step, Note [Headroom])
             ref = call.func(*call.pargs, **call.pkwargs)
@@ -845,6 +839,13 @@ class Dispatch:
         an out= kernel that resizes it raises before writing (Note [Direct placement])."""
         return self.arena.fixed_view(byte_offset, placement.span_bytes(size, stride, dtype.itemsize), dtype, size,
                                      stride, storage_offset)
+
+    def _unplace(self, placed) -> None:
+        """The outputs an op had placed (None where it placed none) when it failed: unpinned and forgotten."""
+        for s in placed:
+            if s is not None:
+                self.memory.unpin(s)
+                self.lifetime.forget(s)
 
     def _placed(self, call: _Call, placed, recipe: Recipe) -> None:
         memory = self.memory
@@ -916,9 +917,7 @@ class Dispatch:
                     out_leaves[j] = self._place_output(o, recipe, j, call.inputs, evictable, func, placed)
                     temporary += o.numel() * o.element_size()
         except BaseException:
-            for s in placed:
-                self.memory.unpin(s)
-                self.lifetime.forget(s)
+            self._unplace(placed)
             rewind(rng)
             raise
         if direct:
@@ -1176,9 +1175,7 @@ class Dispatch:
                 else:
                     res.append(o)
         except BaseException:
-            for s in placed:
-                self.memory.unpin(s)
-                self.lifetime.forget(s)
+            self._unplace(placed)
             raise
         if placed:
             self.counters.count_placed(fresh, fresh, fresh)
