@@ -294,9 +294,10 @@ class BlockTable:
             self._born = set()
             born_off = self._off_a[born]
             k = born_off.argsort()
-            merged = np.concatenate((offsets, born_off[k])).argsort(kind="stable")  # two sorted runs: a merge
-            order = np.concatenate((order, born[k]))[merged]
-            offsets = self._off_a[order]
+            born, born_off = born[k], born_off[k]
+            at = offsets.searchsorted(born_off)  # offsets are distinct: each born id goes before the first above it
+            order = np.insert(order, at, born)
+            offsets = np.insert(offsets, at, born_off)
         self._order, self._order_off = order, offsets
         cols = (offsets, self._size_a[order], self._owner_a[order])
         for c in cols:

@@ -426,15 +426,14 @@ class Memory:
         for d in dependents(s, self._walked):
             self._stale[d.sid] = d
 
-    def _plan(self, need: int) -> _policy.EvictionPlan | None:
+    def _plan(self, need: int, prices=None) -> _policy.EvictionPlan | None:
+        """The policy's plan for `need` bytes; coop reads `prices` (`_prices()`, made once per eviction event and
+        shared with the move, relocation and compaction plans)."""
+        if self.policy == "coop":
+            kind, h, _ = self._prices() if prices is None else prices
+            return _policy.coop_window(self.table.offsets, self.table.sizes, kind, h.copy(), need)
         self._stop_following()
         self._refresh_costs()
-        if self.policy == "coop":
-            # coop reads c/s only: computed per slot, then gathered once (the same values as computing it on the
-            # gathered c and last). Row 0 (FREE) has c == 0, so free blocks get 0 as coop_window requires.
-            own, k = self.table.owners, len(self._slots) + 1
-            h = _policy.heuristic(self._c[:k], self._last[:k], self.clock)[own]
-            return _policy.coop_window(self.table.offsets, self.table.sizes, self._kind[own], h, need)
         off, sizes, kind, c, last = self._columns()
         return _policy.plan(self.policy, off, sizes, kind, c, last, self.clock, need)
 
@@ -449,18 +448,19 @@ class Memory:
             at = self._apply_recorded(applied, need) if applied is not None else None
         if at is None:
             t0 = time.perf_counter()
-            plan = self._plan(need)
+            prices = self._prices() if self.policy == "coop" else None
+            plan = self._plan(need, prices)
             moves = ()
             slide = False
             can_move = self.relocate and self.may_relocate and self.mover is not None
             if plan is not None and plan.victims and can_move:
-                cheaper = self._move_plan(need, plan)
+                cheaper = self._move_plan(need, plan, prices)
                 if cheaper is not None:
                     plan, moves = cheaper
             if plan is None and can_move:
-                plan, moves = self._relocation_plan(need)
+                plan, moves = self._relocation_plan(need, prices)
                 if plan is None:
-                    plan, moves = self._compaction_plan(need)
+                    plan, moves = self._compaction_plan(need, prices)
                     slide = plan is not None
             dt = time.perf_counter() - t0
             if plan is None:
@@ -498,15 +498,14 @@ class Memory:
     #   range released; the evictable blocks of the window are evicted as in any plan.
     # Limitations: only when the plain plan fails, only for coop, and only while the runtime holds no raw view
     #   of a resident storage (`may_relocate`). Copies count in the runtime's overhead as 2 x bytes.
-    def _relocation_plan(self, need: int, attempts: int = 8):
-        self._stop_following()
-        self._refresh_costs()
+    def _relocation_plan(self, need: int, prices, attempts: int = 8):
         table = self.table
-        kind, h, copy = self._prices()
+        kind, h, copy = prices
         movable = (kind == BLOCKED) & ~self._fixed_blocks()
         if not movable.any():
             return None, ()
         sizes = table.sizes
+        h = h.copy()
         h[movable] = copy[movable]
         kind2 = kind.copy()
         kind2[movable] = EVICTABLE
@@ -535,13 +534,14 @@ class Memory:
 
     def _prices(self):
         """Per block in address order: its kind, its eviction price c/s and the price of copying it, 2 x bytes / s
-        (s = staleness; the units of c/s, Note [Relocation]). Costs must be up to date (_refresh_costs)."""
+        (s = staleness; the units of c/s, Note [Relocation]), with the costs brought up to date first. Row 0
+        (FREE) has c == 0, so free blocks get 0 as coop_window requires. Read-only for the plans that share it."""
         self._stop_following()
+        self._refresh_costs()
         own = self.table.owners
-        k = len(self._slots) + 1
-        h = _policy.heuristic(self._c[:k], self._last[:k], self.clock)[own]
-        stale = self.clock - self._last[own] + 1.0
-        return self._kind[own], h, 2.0 * self.table.sizes / stale
+        stale = self.clock - self._last[own]
+        stale += 1.0  # (clock - last + 1.0, as _policy.heuristic computes it: the same bits)
+        return self._kind[own], self._c[own] / stale, 2.0 * self.table.sizes / stale
 
     def _fixed_blocks(self) -> np.ndarray:
         """Per block in address order: whether its storage must keep its address (`fix`)."""
@@ -555,8 +555,8 @@ class Memory:
         table = self.table
         offsets, sizes = table.offsets, table.sizes
         outside = (offsets + sizes <= plan.start) | (offsets >= plan.end)
-        free = np.nonzero(outside & (table.owners == _FREE_OWNER))[0]
-        return outside, [[int(offsets[i]), int(sizes[i])] for i in free]
+        free = np.flatnonzero(outside & (table.owners == _FREE_OWNER))
+        return outside, [list(hole) for hole in zip(offsets[free].tolist(), sizes[free].tolist())]
 
     # Note [Moving instead of evicting]
     # Rationale: near the edge the free bytes lie in holes too small for a request, and the cheapest window
@@ -614,20 +614,23 @@ class Memory:
     #   smaller than every one of the last 64 requests (chain 1.12x, ResNet-50 fits at 0.15 and ResNet-152 at
     #   0.1 drops to 1.63x; Inception V3 at 0.35/0.3/0.2125 1.11/1.19/1.29x -> 1.19/1.28/1.58x, Swin-T at 0.3
     #   1.13x -> 1.22x).
-    def _move_plan(self, need: int, plain: _policy.EvictionPlan):
+    def _move_plan(self, need: int, plain: _policy.EvictionPlan, prices):
         """(plan, moves) cheaper than `plain` that copies evictable blocks of its window to free blocks outside
         it (or to the range of a cheaper block outside it, evicted to make room) where a copy costs less than
         their eviction, or None."""
-        kind, h, move = self._prices()
+        kind, h, move = prices
         cand = (kind == EVICTABLE) & (move < h)
         if not cand.any():
             return None
         h2 = np.where(cand, move, h)
         sizes = self.table.sizes
 
-        def smallest_cheaper(i, fits):  # the smallest block whose eviction costs less than block i's
-            fits = fits[h[fits] + move[i] < h[i]]
-            return min(fits.tolist(), key=lambda b: (int(sizes[b]), float(h[b]), b)) if fits.size else None
+        def smallest_cheaper(i, fits):  # the smallest block whose eviction costs less than block i's, then the
+            fits = fits[h[fits] + move[i] < h[i]]  # cheapest of those, then the lowest (fits ascends)
+            if not fits.size:
+                return None
+            fits = fits[sizes[fits] == sizes[fits].min()]
+            return int(fits[h[fits].argmin()])  # argmin: the first of equal prices
         while True:  # each rerun prices one more block at its eviction: at most one per candidate
             plan = _policy.coop_window(self.table.offsets, self.table.sizes, kind, h2.copy(), need)
             if plan is None or plan.cost >= plain.cost:
@@ -684,12 +687,12 @@ class Memory:
     #   temporary), and the blocks above it have not moved yet, so no copy overwrites bytes still to be copied.
     # Limitations: it may copy most of the arena; copies count in the overhead as 2 x bytes, as relocations do.
     #   Same conditions as relocation (coop, `may_relocate`, a mover).
-    def _compaction_plan(self, need: int):
+    def _compaction_plan(self, need: int, prices):
         """(EvictionPlan of the free range left at the end of the chosen segment, slides in address order), or
         (None, ())."""
         table = self.table
         own, sizes, offsets = table.owners, table.sizes, table.offsets
-        kind, h, _ = self._prices()
+        kind, h, _ = prices
         cuts = [-1, *np.nonzero(self._fixed_blocks())[0].tolist(), len(own)]
         best = None
         for lo, hi in zip(cuts, cuts[1:]):

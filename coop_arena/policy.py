@@ -144,7 +144,7 @@ def coop_window_numpy(offsets, sizes, kind, h, need: int) -> EvictionPlan | None
 
 
 def _window_plan(offsets, sizes, kind, lo: int, r: int, cost) -> EvictionPlan:
-    victims = tuple(i for i, k in enumerate(kind[lo : r + 1].tolist(), lo) if k == EVICTABLE)
+    victims = tuple((np.flatnonzero(kind[lo : r + 1] == EVICTABLE) + lo).tolist())
     return EvictionPlan(victims, int(offsets[lo]), int(offsets[r] + sizes[r]), float(cost), "coop")
 
 

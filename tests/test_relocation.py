@@ -173,7 +173,7 @@ def test_compaction_slides_blocks_together_when_no_destination_exists():
     m, s = slide_layout()
     moves = []
     m.mover = lambda src, dst, n: moves.append((src // U, dst // U, n // U))
-    assert m.plan(3 * U) is None and m._relocation_plan(3 * U)[0] is None
+    assert m.plan(3 * U) is None and m._relocation_plan(3 * U, m._prices())[0] is None
     new = m.allocate(3 * U, 5.0)
     assert moves == [(3, 2, 1), (4, 3, 2)]
     assert (s["a"].offset, s["q"].offset, new.offset) == (2 * U, 3 * U, 5 * U)
