@@ -22,7 +22,6 @@ import numbers
 import os
 import sys
 import threading
-import warnings
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
@@ -36,7 +35,7 @@ from .arena import Arena, check_backend, resolve_device
 from .bookkeeping import Bookkeeping
 from .blocks import ALIGNMENT
 from .errors import (ArenaAllocationError, AutocastNotPlanned, BudgetUsageError, CompileNotApplied,
-                     FootprintExceeded, _fmt, _internal_assert)
+                     FootprintExceeded, _fmt, _internal_assert, warn)
 from .headroom import Observer
 from .lifetime import forget_collection_pause, pause_collection, resume_collection
 from .memory import Memory
@@ -117,8 +116,8 @@ def _leave(mode: "_Mode") -> None:
     for m in reversed(above):
         _push_mode(m)
     if above:
-        warnings.warn(f"a block ended while a dispatch mode entered inside it was still active ({above[-1]!r}); "
-                      f"it stays active after the block", RuntimeWarning, stacklevel=4)
+        warn(f"a block ended while a dispatch mode entered inside it was still active ({above[-1]!r}); "
+             f"it stays active after the block", RuntimeWarning)
 
 
 def _forked() -> None:
@@ -445,10 +444,10 @@ class Budget:
                 then += (f". That arena is below this step's lower bound of {_fmt(need)} (its largest op's working "
                          f"set plus unevictable bytes): the next block will raise OutOfBudget; a budget of at least "
                          f"{_fmt(need + learned)} holds both")
-            warnings.warn(f"this block of {self!r} allocated {_fmt(outside)} outside its arena of "
-                          f"{_fmt(self.arena.nbytes)} (temporaries of ops without an in-place kernel, kernels' "
-                          f"scratch): {_fmt(self.arena.nbytes + outside)} in all, over the budget{then}",
-                          FootprintExceeded, stacklevel=3)
+            warn(f"this block of {self!r} allocated {_fmt(outside)} outside its arena of "
+                 f"{_fmt(self.arena.nbytes)} (temporaries of ops without an in-place kernel, kernels' "
+                 f"scratch): {_fmt(self.arena.nbytes + outside)} in all, over the budget{then}",
+                 FootprintExceeded)
         if not self._learns:
             return
         if outside is None:  # not observed (settled, another profiler was on, or the block failed)
@@ -569,12 +568,12 @@ class Budget:
                 try:
                     self._stats = self._collect(rt)
                     if exc_type is None and not rt.counters.ops and rt.counters.off_arena:
-                        warnings.warn(
+                        warn(
                             f"none of this block's ops ran in {self!r}: all {rt.counters.off_arena} read only tensors "
                             f"on {rt.counters.off_arena_device} and ran there, outside the arena, so nothing was "
                             f"counted or capped. Put the model and its inputs on {self.device} (a dry run: "
                             f"model.to('meta')), or make the Budget with device='{rt.counters.off_arena_device}'",
-                            RuntimeWarning, stacklevel=2)
+                            RuntimeWarning)
                     self._trace = list(self.memory.trace.events)
                     self._traced_at = self.arena.buffer.data_ptr()
                     recording = self.memory.take_recording()
@@ -658,10 +657,10 @@ class Budget:
         live = self._runtime is not None
         events = self.trace
         if len(events) >= self.memory.trace_len:
-            warnings.warn(f"the trace of {self!r} holds {len(events)} memory events, as many as trace_len keeps: any "
-                          f"before them are missing from the snapshot, and with them the blocks and frees of the "
-                          f"storages they placed. Make the Budget with a larger trace_len to keep a whole step",
-                          RuntimeWarning, stacklevel=2)
+            warn(f"the trace of {self!r} holds {len(events)} memory events, as many as trace_len keeps: any "
+                 f"before them are missing from the snapshot, and with them the blocks and frees of the "
+                 f"storages they placed. Make the Budget with a larger trace_len to keep a whole step",
+                 RuntimeWarning)
         return _memory_snapshot(events, capacity=self.memory.budget if live or self._stats is None else
                                 self._stats.budget, alignment=self.memory.table.alignment,
                                 address=self.arena.buffer.data_ptr() if live else self._traced_at,
@@ -696,24 +695,24 @@ def _warn_if_compiled(module, args) -> None:
         return
     if not budget._autocast_warned and _autocast_on():
         budget._autocast_warned = True
-        warnings.warn(
+        warn(
             f"torch.autocast is on in a dry run on meta ({budget!r}), where it has no effect: meta tensors have no "
             f"autocast dispatch key, so {type(module).__name__} and what follows run in the dtypes their tensors "
             f"have (float32 where autocast on the device would compute in float16 or bfloat16). The plan's peak, "
             f"evictions and overhead are those of the step without autocast, an overestimate. To plan a "
             f"mixed-precision step, give the model the dtypes autocast would use (for example "
-            f"model.to(torch.bfloat16)), or run the Budget on the device itself", AutocastNotPlanned, stacklevel=2)
+            f"model.to(torch.bfloat16)), or run the Budget on the device itself", AutocastNotPlanned)
     if budget._compile_warned:
         return
     frames = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing can have been compiled
     if (frames is not None and isinstance(module, frames.OptimizedModule)) or getattr(
             module, "_compiled_call_impl", None) is not None:
         budget._compile_warned = True
-        warnings.warn(
+        warn(
             f"{type(module).__name__} is compiled (torch.compile), but runs uncompiled inside {budget!r}: PyTorch "
             f"does not apply torch.compile while a dispatch mode is active, and a model first called inside a Budget "
             f"stays uncompiled afterwards until torch._dynamo.reset(). The step still runs exactly, eagerly, under "
-            f"the budget.", CompileNotApplied, stacklevel=2)
+            f"the budget.", CompileNotApplied)
 
 
 @contextmanager
