@@ -604,11 +604,14 @@ class Budget:
         suggest = min(1.0, max(2.0 * (c.working_set_peak + c.unevictable_peak) / held,
                                math.ceil(round((self.memory.budget / held + 0.05) * 20, 6)) / 20))
         return (f"The budget of {_fmt(self.memory.budget)} is {self.memory.budget / held:.2f} of the "
-                f"{_fmt(c.live_peak)} this step has held in tensors so far, too small to run without recomputing "
-                f"much of it; steps of the paper's models fit at low overhead from about twice their lower bound, "
-                f"here a ratio of about {suggest:.2f} so far. `coop-arena plan MODEL --budget {suggest:.2f}` checks "
-                f"a budget in a dry run without running the model; raise the budget, use a smaller batch, or "
-                f"{stop}.")
+                f"{_fmt(c.live_peak)} this step has held in tensors so far, too small to run your model without "
+                f"recomputing much of it. A step usually runs at low overhead from about twice its lower bound (its "
+                f"largest op's working set plus unevictable bytes): for your model so far, a ratio of about "
+                f"{suggest:.2f}. To check a budget in a dry run on meta, without running the step, write a function "
+                f"make_model(batch) in your_module.py that returns (model, example_inputs) and run "
+                f"`coop-arena plan your_module:make_model --batch <your batch size> --budget {suggest:.2f}` "
+                f"(the documentation's \"Dry runs\" page; `coop-arena plan --help`). Or raise the budget, use a "
+                f"smaller batch, or {stop}.")
 
     def _collect(self, rt: Runtime) -> BudgetStats:
         m, c = self.memory.stats, rt.counters

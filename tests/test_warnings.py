@@ -1,11 +1,14 @@
 """Every warning a user can meet is reported at the user's line (the `with budget:` line, the model call,
-`loss.backward()`), not inside coop_arena or torch: `coop_arena.errors.warn` finds that frame."""
+`loss.backward()`), not inside coop_arena or torch: `coop_arena.errors.warn` finds that frame. And the thrashing
+warning speaks of the user's model and names a command the user can run."""
 
 from __future__ import annotations
 
+import io
 import re
 import sys
 import warnings
+from contextlib import redirect_stdout
 
 import torch
 import torch.nn as nn
@@ -41,7 +44,7 @@ def forward(layers, x):
     return h.square().mean()
 
 
-def test_thrashing_points_at_the_users_line():
+def test_thrashing_points_at_the_users_line_and_names_a_runnable_command():
     torch.manual_seed(0)
     layers, x = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)), torch.randn(32, WIDTH)
     probe = coop_arena.Budget(1 << 26, device="cpu")
@@ -53,8 +56,28 @@ def test_thrashing_points_at_the_users_line():
         with budget:
             loss = forward(layers, x)
             loss.backward()
-    caught_here(caught, RuntimeWarning, "this step is thrashing")
+    w = caught_here(caught, RuntimeWarning, "this step is thrashing")
     assert budget.stats.compute_overhead > 3.0
+    msg = str(w.message)
+    assert "paper" not in msg and "your model" in msg
+    command = re.search(r"`(coop-arena plan your_module:make_model --batch <your batch size> --budget ([0-9.]+))`",
+                        msg)
+    assert command, msg
+    assert "make_model(batch) in your_module.py that returns (model, example_inputs)" in msg
+
+
+def test_the_thrashing_warnings_command_runs(tmp_path, monkeypatch):
+    """The command the warning names, with its placeholders filled in, is one `coop-arena plan` accepts."""
+    (tmp_path / "your_module.py").write_text(
+        "import torch\n"
+        "def make_model(batch):\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()), torch.randn(batch, 16)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from coop_arena.cli import main
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(["plan", "your_module:make_model", "--batch", "4", "--budget", "0.45"]) == 0
+    assert "your_module:make_model, batch 4" in out.getvalue().replace("\n", " ")
 
 
 # --------------------------------------------------------------------------------- warnings at a block's end
