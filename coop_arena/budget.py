@@ -311,27 +311,32 @@ class Budget:
     raises `OutOfBudget` before anything changes; the Budget stays usable. A Budget runs one block at a time (a
     second thread entering it meanwhile gets `BudgetUsageError`), and Budgets do not nest (`BudgetUsageError`).
 
-    Arguments (a bad value raises ValueError; an arena the device cannot allocate, ArenaAllocationError):
-      nbytes: the budget, a positive int number of bytes, at least `alignment`.
-      device: "cpu", "cuda", "cuda:N", "meta" (a dry run: no data, the same decisions) or a torch.device;
-        default "cuda" when available, else "cpu".
-      policy: "coop" (sliding window over the address-ordered arena), "dtr" (evict the least c/(m*s) one at a
-        time) or "dte" (the same with adjacent free bytes counted in m).
-      partition, recomputable_inplace, relocate: Coop's ablations when False (no cheap/expensive placement;
-        copy-on-write instead of recomputable in-place; no relocation of pinned blocks, no compaction).
-      max_overhead: None, or a number > 1: stop a step with `Thrashing` before the replay that would take
-        (compute + recompute) / compute past it.
-      backend: "torch", or "cupy" to allocate a CUDA arena with CuPy.
-      cheap_density: the cost per byte at and above which a storage counts as expensive (a number >= 0).
-      alignment: the granularity of every placement, a power of two of at least 16 bytes.
-      trace_len: the memory events kept per block (`trace`), an int >= 0.
-      replay: True (default) to let a block that runs the same step as the block before it take that block's
-        eviction decisions instead of searching again (Note [Step replay] in replay.py; the same decisions, bits
-        and stats); False to search at every block.
-      headroom: None (default) to learn the bytes kept outside the arena from the first blocks, observed with the
-        profiler (the first block's arena is the whole budget, and `FootprintExceeded` warns if its footprint went
-        over); an int from 0 to nbytes - alignment to fix it (0: the arena is the whole budget and temporaries are
-        outside the cap, as in a dry run).
+    Args:
+        nbytes: The budget, a positive int number of bytes, at least `alignment`.
+        device (str | torch.device | None): "cpu", "cuda", "cuda:N", "meta" (a dry run: no data, the same
+            decisions) or a torch.device; default "cuda" when available, else "cpu".
+        policy: "coop" (sliding window over the address-ordered arena), "dtr" (evict the least c/(m*s) one at a
+            time) or "dte" (the same with adjacent free bytes counted in m).
+        partition: Coop's ablation when False: no cheap/expensive placement.
+        recomputable_inplace: Coop's ablation when False: copy-on-write instead of recomputable in-place.
+        alignment: The granularity of every placement, a power of two of at least 16 bytes.
+        cheap_density: The cost per byte at and above which a storage counts as expensive (a number >= 0).
+        trace_len: The memory events kept per block (`trace`), an int >= 0.
+        max_overhead: None, or a number > 1: stop a step with `Thrashing` before the replay that would take
+            (compute + recompute) / compute past it.
+        relocate: Coop's ablation when False: no relocation of pinned blocks, no compaction.
+        backend: "torch", or "cupy" to allocate a CUDA arena with CuPy.
+        replay: True (default) to let a block that runs the same step as the block before it take that block's
+            eviction decisions instead of searching again (Note [Step replay] in replay.py; the same decisions,
+            bits and stats); False to search at every block.
+        headroom: None (default) to learn the bytes kept outside the arena from the first blocks, observed with
+            the profiler (the first block's arena is the whole budget, and `FootprintExceeded` warns if its
+            footprint went over); an int from 0 to nbytes - alignment to fix it (0: the arena is the whole budget
+            and temporaries are outside the cap, as in a dry run).
+
+    Raises:
+        ValueError: An argument has a bad value.
+        ArenaAllocationError: The device cannot allocate the arena.
 
     After a block: `stats` (BudgetStats, plain data), `trace` (its memory events), `snapshot()` (the blocks),
     `memory_snapshot()` (both, in the format of PyTorch's memory viewer).
