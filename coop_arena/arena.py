@@ -46,11 +46,9 @@ Note [Overlapping moves]
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
-from .errors import BudgetUsageError, _internal_assert
+from .errors import BudgetUsageError, _internal_assert, warn
 
 DEVICES = ("cpu", "cuda", "meta")
 SHARED_MAX = 1 << 14  # Arena.shared views kept (a step's outputs at their offsets); it starts over when full
@@ -224,8 +222,8 @@ class Arena:
         except Exception as e:
             if copy_kernel:
                 raise
-            warnings.warn(f"coop_arena: the Triton copy kernel cannot run on {self.device} ({type(e).__name__}: "
-                          f"{str(e)[:200]}); arena moves use torch's copy_ instead", RuntimeWarning, stacklevel=3)
+            warn(f"coop_arena: the Triton copy kernel cannot run on {self.device} ({type(e).__name__}: "
+                 f"{str(e)[:200]}); arena moves use torch's copy_ instead", RuntimeWarning)
             return Arena._move_torch
         return mover
 

@@ -22,7 +22,6 @@ import numbers
 import os
 import sys
 import threading
-import warnings
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
@@ -36,7 +35,7 @@ from .arena import Arena, check_backend, resolve_device
 from .bookkeeping import Bookkeeping
 from .blocks import ALIGNMENT
 from .errors import (ArenaAllocationError, AutocastNotPlanned, BudgetUsageError, CompileNotApplied,
-                     FootprintExceeded, _fmt, _internal_assert)
+                     FootprintExceeded, _fmt, _internal_assert, warn)
 from .headroom import Observer
 from .lifetime import forget_collection_pause, pause_collection, resume_collection
 from .memory import Memory
@@ -117,8 +116,8 @@ def _leave(mode: "_Mode") -> None:
     for m in reversed(above):
         _push_mode(m)
     if above:
-        warnings.warn(f"a block ended while a dispatch mode entered inside it was still active ({above[-1]!r}); "
-                      f"it stays active after the block", RuntimeWarning, stacklevel=4)
+        warn(f"a block ended while a dispatch mode entered inside it was still active ({above[-1]!r}); "
+             f"it stays active after the block", RuntimeWarning)
 
 
 def _forked() -> None:
@@ -312,27 +311,32 @@ class Budget:
     raises `OutOfBudget` before anything changes; the Budget stays usable. A Budget runs one block at a time (a
     second thread entering it meanwhile gets `BudgetUsageError`), and Budgets do not nest (`BudgetUsageError`).
 
-    Arguments (a bad value raises ValueError; an arena the device cannot allocate, ArenaAllocationError):
-      nbytes: the budget, a positive int number of bytes, at least `alignment`.
-      device: "cpu", "cuda", "cuda:N", "meta" (a dry run: no data, the same decisions) or a torch.device;
-        default "cuda" when available, else "cpu".
-      policy: "coop" (sliding window over the address-ordered arena), "dtr" (evict the least c/(m*s) one at a
-        time) or "dte" (the same with adjacent free bytes counted in m).
-      partition, recomputable_inplace, relocate: Coop's ablations when False (no cheap/expensive placement;
-        copy-on-write instead of recomputable in-place; no relocation of pinned blocks, no compaction).
-      max_overhead: None, or a number > 1: stop a step with `Thrashing` before the replay that would take
-        (compute + recompute) / compute past it.
-      backend: "torch", or "cupy" to allocate a CUDA arena with CuPy.
-      cheap_density: the cost per byte at and above which a storage counts as expensive (a number >= 0).
-      alignment: the granularity of every placement, a power of two of at least 16 bytes.
-      trace_len: the memory events kept per block (`trace`), an int >= 0.
-      replay: True (default) to let a block that runs the same step as the block before it take that block's
-        eviction decisions instead of searching again (Note [Step replay] in replay.py; the same decisions, bits
-        and stats); False to search at every block.
-      headroom: None (default) to learn the bytes kept outside the arena from the first blocks, observed with the
-        profiler (the first block's arena is the whole budget, and `FootprintExceeded` warns if its footprint went
-        over); an int from 0 to nbytes - alignment to fix it (0: the arena is the whole budget and temporaries are
-        outside the cap, as in a dry run).
+    Args:
+        nbytes: The budget, a positive int number of bytes, at least `alignment`.
+        device (str | torch.device | None): "cpu", "cuda", "cuda:N", "meta" (a dry run: no data, the same
+            decisions) or a torch.device; default "cuda" when available, else "cpu".
+        policy: "coop" (sliding window over the address-ordered arena), "dtr" (evict the least c/(m*s) one at a
+            time) or "dte" (the same with adjacent free bytes counted in m).
+        partition: Coop's ablation when False: no cheap/expensive placement.
+        recomputable_inplace: Coop's ablation when False: copy-on-write instead of recomputable in-place.
+        alignment: The granularity of every placement, a power of two of at least 16 bytes.
+        cheap_density: The cost per byte at and above which a storage counts as expensive (a number >= 0).
+        trace_len: The memory events kept per block (`trace`), an int >= 0.
+        max_overhead: None, or a number > 1: stop a step with `Thrashing` before the replay that would take
+            (compute + recompute) / compute past it.
+        relocate: Coop's ablation when False: no relocation of pinned blocks, no compaction.
+        backend: "torch", or "cupy" to allocate a CUDA arena with CuPy.
+        replay: True (default) to let a block that runs the same step as the block before it take that block's
+            eviction decisions instead of searching again (Note [Step replay] in replay.py; the same decisions,
+            bits and stats); False to search at every block.
+        headroom: None (default) to learn the bytes kept outside the arena from the first blocks, observed with
+            the profiler (the first block's arena is the whole budget, and `FootprintExceeded` warns if its
+            footprint went over); an int from 0 to nbytes - alignment to fix it (0: the arena is the whole budget
+            and temporaries are outside the cap, as in a dry run).
+
+    Raises:
+        ValueError: An argument has a bad value.
+        ArenaAllocationError: The device cannot allocate the arena.
 
     After a block: `stats` (BudgetStats, plain data), `trace` (its memory events), `snapshot()` (the blocks),
     `memory_snapshot()` (both, in the format of PyTorch's memory viewer).
@@ -445,10 +449,10 @@ class Budget:
                 then += (f". That arena is below this step's lower bound of {_fmt(need)} (its largest op's working "
                          f"set plus unevictable bytes): the next block will raise OutOfBudget; a budget of at least "
                          f"{_fmt(need + learned)} holds both")
-            warnings.warn(f"this block of {self!r} allocated {_fmt(outside)} outside its arena of "
-                          f"{_fmt(self.arena.nbytes)} (temporaries of ops without an in-place kernel, kernels' "
-                          f"scratch): {_fmt(self.arena.nbytes + outside)} in all, over the budget{then}",
-                          FootprintExceeded, stacklevel=3)
+            warn(f"this block of {self!r} allocated {_fmt(outside)} outside its arena of "
+                 f"{_fmt(self.arena.nbytes)} (temporaries of ops without an in-place kernel, kernels' "
+                 f"scratch): {_fmt(self.arena.nbytes + outside)} in all, over the budget{then}",
+                 FootprintExceeded)
         if not self._learns:
             return
         if outside is None:  # not observed (settled, another profiler was on, or the block failed)
@@ -569,12 +573,12 @@ class Budget:
                 try:
                     self._stats = self._collect(rt)
                     if exc_type is None and not rt.counters.ops and rt.counters.off_arena:
-                        warnings.warn(
+                        warn(
                             f"none of this block's ops ran in {self!r}: all {rt.counters.off_arena} read only tensors "
                             f"on {rt.counters.off_arena_device} and ran there, outside the arena, so nothing was "
                             f"counted or capped. Put the model and its inputs on {self.device} (a dry run: "
                             f"model.to('meta')), or make the Budget with device='{rt.counters.off_arena_device}'",
-                            RuntimeWarning, stacklevel=2)
+                            RuntimeWarning)
                     self._trace = list(self.memory.trace.events)
                     self._traced_at = self.arena.buffer.data_ptr()
                     recording = self.memory.take_recording()
@@ -605,11 +609,14 @@ class Budget:
         suggest = min(1.0, max(2.0 * (c.working_set_peak + c.unevictable_peak) / held,
                                math.ceil(round((self.memory.budget / held + 0.05) * 20, 6)) / 20))
         return (f"The budget of {_fmt(self.memory.budget)} is {self.memory.budget / held:.2f} of the "
-                f"{_fmt(c.live_peak)} this step has held in tensors so far, too small to run without recomputing "
-                f"much of it; steps of the paper's models fit at low overhead from about twice their lower bound, "
-                f"here a ratio of about {suggest:.2f} so far. `coop-arena plan MODEL --budget {suggest:.2f}` checks "
-                f"a budget in a dry run without running the model; raise the budget, use a smaller batch, or "
-                f"{stop}.")
+                f"{_fmt(c.live_peak)} this step has held in tensors so far, too small to run your model without "
+                f"recomputing much of it. A step usually runs at low overhead from about twice its lower bound (its "
+                f"largest op's working set plus unevictable bytes): for your model so far, a ratio of about "
+                f"{suggest:.2f}. To check a budget in a dry run on meta, without running the step, write a function "
+                f"make_model(batch) in your_module.py that returns (model, example_inputs) and run "
+                f"`coop-arena plan your_module:make_model --batch <your batch size> --budget {suggest:.2f}` "
+                f"(the documentation's \"Dry runs\" page; `coop-arena plan --help`). Or raise the budget, use a "
+                f"smaller batch, or {stop}.")
 
     def _collect(self, rt: Runtime) -> BudgetStats:
         m, c = self.memory.stats, rt.counters
@@ -658,10 +665,10 @@ class Budget:
         live = self._runtime is not None
         events = self.trace
         if len(events) >= self.memory.trace_len:
-            warnings.warn(f"the trace of {self!r} holds {len(events)} memory events, as many as trace_len keeps: any "
-                          f"before them are missing from the snapshot, and with them the blocks and frees of the "
-                          f"storages they placed. Make the Budget with a larger trace_len to keep a whole step",
-                          RuntimeWarning, stacklevel=2)
+            warn(f"the trace of {self!r} holds {len(events)} memory events, as many as trace_len keeps: any "
+                 f"before them are missing from the snapshot, and with them the blocks and frees of the "
+                 f"storages they placed. Make the Budget with a larger trace_len to keep a whole step",
+                 RuntimeWarning)
         return _memory_snapshot(events, capacity=self.memory.budget if live or self._stats is None else
                                 self._stats.budget, alignment=self.memory.table.alignment,
                                 address=self.arena.buffer.data_ptr() if live else self._traced_at,
@@ -696,24 +703,24 @@ def _warn_if_compiled(module, args) -> None:
         return
     if not budget._autocast_warned and _autocast_on():
         budget._autocast_warned = True
-        warnings.warn(
+        warn(
             f"torch.autocast is on in a dry run on meta ({budget!r}), where it has no effect: meta tensors have no "
             f"autocast dispatch key, so {type(module).__name__} and what follows run in the dtypes their tensors "
             f"have (float32 where autocast on the device would compute in float16 or bfloat16). The plan's peak, "
             f"evictions and overhead are those of the step without autocast, an overestimate. To plan a "
             f"mixed-precision step, give the model the dtypes autocast would use (for example "
-            f"model.to(torch.bfloat16)), or run the Budget on the device itself", AutocastNotPlanned, stacklevel=2)
+            f"model.to(torch.bfloat16)), or run the Budget on the device itself", AutocastNotPlanned)
     if budget._compile_warned:
         return
     frames = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing can have been compiled
     if (frames is not None and isinstance(module, frames.OptimizedModule)) or getattr(
             module, "_compiled_call_impl", None) is not None:
         budget._compile_warned = True
-        warnings.warn(
+        warn(
             f"{type(module).__name__} is compiled (torch.compile), but runs uncompiled inside {budget!r}: PyTorch "
             f"does not apply torch.compile while a dispatch mode is active, and a model first called inside a Budget "
             f"stays uncompiled afterwards until torch._dynamo.reset(). The step still runs exactly, eagerly, under "
-            f"the budget.", CompileNotApplied, stacklevel=2)
+            f"the budget.", CompileNotApplied)
 
 
 @contextmanager

@@ -2,9 +2,14 @@
 
 User errors carry the data that explains them (what was asked, what was available, what to do); internal
 bugs go through `_internal_assert`, which says so and asks for a report. Nothing here is raised by `assert`.
+Warnings go through `warn`, which reports them at the user's line.
 """
 
 from __future__ import annotations
+
+import os
+import sys
+import warnings
 
 
 class CoopArenaError(RuntimeError):
@@ -162,3 +167,31 @@ class InternalError(CoopArenaError):
 def _internal_assert(cond: bool, msg: str) -> None:
     if not cond:
         raise InternalError(f"{msg}. This is a bug in coop_arena; please report it with the code that triggered it.")
+
+
+
+def _internal_files() -> tuple[str, ...]:
+    """Path prefixes of the code a warning is not reported in: coop_arena's, torch's and contextlib's."""
+    import contextlib
+
+    import torch
+    return (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.dirname(os.path.abspath(torch.__file__))
+            + os.sep, os.path.abspath(contextlib.__file__))
+
+
+def warn(message: str, category: type[Warning]) -> None:
+    """`warnings.warn(message, category)` reported at the user's line: the innermost frame whose code is neither
+    coop_arena's nor torch's (nor contextlib's, which calls `__exit__` for an ExitStack). No fixed `stacklevel`
+    finds it: the same warning comes from a block's `__exit__`, from an op's dispatch in the forward pass (the
+    user's code, then torch.nn's frames, then ours) or in the backward pass (`loss.backward()`, then
+    torch.autograd's frames, then ours). Where every frame is ours or torch's (a thread of autograd's own), the
+    warning names the frame that called this function."""
+    internal = _internal_files()
+    caller = frame = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(internal):
+        frame = frame.f_back
+    frame = frame or caller
+    g = frame.f_globals
+    warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
+                           module=g.get("__name__", "<string>"), registry=g.setdefault("__warningregistry__", {}),
+                           module_globals=g)

@@ -578,7 +578,7 @@ class Memory:
     #   activations hundreds of times larger, late in the backward pass its recompute is the whole forward
     #   pass, and it was evicted when no free hole outside the window fitted it; the block's copy-out at exit then
     #   replayed that forward pass (ResNet-152 at 0.1: 0.29 of the step's compute). Measured on the suite with
-    #   Note [Dead storages]' rolling forward (see README for the whole table): ResNet-152 at 0.1 1.877x ->
+    #   Note [Dead storages]' rolling forward (docs/evaluation.md has the whole table): ResNet-152 at 0.1 1.877x ->
     #   1.513x, ResNet-50 at 0.175 4.27x -> 1.51x, DenseNet-121 at 0.125 1.731x -> 1.423x, the 100-layer chain
     #   at 0.2 1.649x -> 1.360x (1.06x its optimum); but ResNet-50 at 0.2 1.357x -> 3.410x. Taking the
     #   cheapest such block instead of the smallest fitted U-Net at 0.25 but failed ResNet-50 at 0.2 (both

@@ -62,12 +62,10 @@ Approach: a recipe argument names the version it read. A plan node is a storage 
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from .arena import grew
-from .errors import OutOfBudget, TensorLost, Thrashing, UnsupportedOp, _internal_assert
+from .errors import OutOfBudget, TensorLost, Thrashing, UnsupportedOp, _internal_assert, warn
 from .lifetime import keeps_dead
 from .memory import Memory
 from .recipe import ArgRef, Recipe, replaying
@@ -379,9 +377,9 @@ class Remat:
             self.warned = True
             overhead = (c.compute_cost + c.recompute_cost) / c.compute_cost
             more = self.explain() if self.explain is not None else ""
-            warnings.warn(f"this step is thrashing: recomputation has made it {overhead:.1f}x as costly as the ops "
-                          f"run so far (warned once per step, above {WARN_OVERHEAD:g}x). {more}",
-                          RuntimeWarning, stacklevel=2)
+            warn(f"this step is thrashing: recomputation has made it {overhead:.1f}x as costly as the ops "
+                 f"run so far (warned once per step, above {WARN_OVERHEAD:g}x). {more}",
+                 RuntimeWarning)
 
     # ============================================================================================== bytes
     def views(self, recipe: Recipe, shadows: dict, self_storage=None, version: int = 0, self_offset: int = -1):

@@ -3,7 +3,7 @@ library registered with torch.library.custom_op, recorded and recomputed like an
 
 On the CPU the same mechanism runs with numpy in CuPy's place (numpy reads and writes torch CPU tensors
 through DLPack). The CUDA tests need CuPy (`pip install 'coop-arena[cupy]'`) and a GPU; one of them runs the
-README's example as written.
+CuPy example of docs/custom-kernels.md as written.
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ NUMPY_CALLS = []
 
 @torch.library.custom_op("coop_arena_test::numpy_scale", mutates_args=(), device_types="cpu")
 def numpy_scale(x: torch.Tensor, s: float) -> torch.Tensor:
-    """The README's CuPy kernel with numpy in CuPy's place: it reads and writes through DLPack."""
+    """The documented CuPy kernel (docs/custom-kernels.md) with numpy in CuPy's place: it reads and writes through
+    DLPack."""
     NUMPY_CALLS.append(x.numel())
     x = x.detach().contiguous()  # DLPack exports no tensor that requires grad
     y = torch.empty_like(x)
@@ -148,24 +149,27 @@ def test_custom_op_through_dlpack_is_recomputed_on_cpu():
 
 
 # ----------------------------------------------------------------------------------------------- CUDA, CuPy
-def readme_example() -> str:
-    """The README's CuPy example (the python block after its test marker)."""
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    found = re.search(r"<!-- tests/test_cupy.py runs this block.*?-->\s*```python\n(.*?)```", text, re.S)
-    assert found, "README.md lost its CuPy example"
+EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "custom-kernels.md"
+
+
+def documented_example() -> str:
+    """The documented CuPy example (docs/custom-kernels.md: the python block after its test marker)."""
+    found = re.search(r"<!-- tests/test_cupy.py runs this block.*?-->\s*```python\n(.*?)```", EXAMPLE.read_text(),
+                      re.S)
+    assert found, "docs/custom-kernels.md lost its CuPy example"
     return found.group(1)
 
 
-def test_readme_example_is_found():
-    code = readme_example()
+def test_documented_example_is_found():
+    code = documented_example()
     assert "cupy.RawKernel" in code and "torch.library.custom_op" in code and "register_fake" in code
-    compile(code, "README.md", "exec")
+    compile(code, str(EXAMPLE), "exec")
 
 
 @pytest.fixture(scope="module")
-def readme():
-    namespace = {"__name__": "readme_cupy_example"}
-    exec(compile(readme_example(), "README.md", "exec", dont_inherit=True), namespace)  # registers mylib::cupy_scale
+def example():
+    namespace = {"__name__": "documented_cupy_example"}
+    exec(compile(documented_example(), str(EXAMPLE), "exec", dont_inherit=True), namespace)  # mylib::cupy_scale
     return namespace
 
 
@@ -179,9 +183,9 @@ class CountingKernel:
 
 
 @needs_cupy
-def test_readme_cupy_kernel_is_recorded_and_recomputed(readme):
-    counting = readme["_scale"] = CountingKernel(readme["_scale"])
-    check_recomputed(readme["cupy_scale"], counting.calls, "cuda")
+def test_documented_cupy_kernel_is_recorded_and_recomputed(example):
+    counting = example["_scale"] = CountingKernel(example["_scale"])
+    check_recomputed(example["cupy_scale"], counting.calls, "cuda")
 
 
 @needs_cupy

@@ -503,8 +503,9 @@ def test_state_made_in_gradient_hooks_stays_outside_the_arena():
 
 
 def test_the_torchrun_example_stops_every_rank_when_one_runs_out_of_budget():
-    """README's example under torchrun: both ranks measure their peak, then rank 1 gets 1 KiB; it reports
-    OutOfBudget and tears its process group down, and torchrun stops the job with an error, within seconds."""
+    """The example of docs/distributed.md under torchrun: both ranks measure their peak, then rank 1 gets 1 KiB;
+    it reports OutOfBudget and tears its process group down, and torchrun stops the job with an error, within
+    seconds."""
     example = Path(__file__).resolve().parent.parent / "examples" / "ddp_budget.py"
     p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           str(example), "--steps", "2", "--starve-rank", "1"],

@@ -191,7 +191,7 @@ def test_a_python_number_made_into_a_tensor_is_placed_alike_on_cpu_and_meta():
 
 def _cpu_and_meta(step, **options):
     """(stats, trace) of `step(budget, device)` at half its peak on the CPU and on meta, the CPU's second run (the
-    first CPU step learns layouts: README, Dry runs). The arena is the whole budget (headroom=0): a dry run plans
+    first CPU step learns layouts: docs/dry-runs.md). The arena is the whole budget (headroom=0): a dry run plans
     the arena; the headroom for temporaries is learned on a device (Note [Headroom])."""
     def run(nbytes, device):
         budget = coop_arena.Budget(nbytes, device=device, **options, headroom=0)

@@ -537,7 +537,7 @@ TOTALS = {"tight_runs": 0, "evictions": 0, "rematerializations": 0, "raised": 0,
 
 def tight_run(p, want, policy, fraction, peak, lower_bound):
     """Run at `fraction` of the peak; a budget below the step's lower bound is raised until the step fits. (A held
-    tensor that cannot be restored at the end of the block is dropped, TensorLost on use: README "Known limits".)"""
+    tensor that cannot be restored at the end of the block is dropped, TensorLost on use: docs/limits.md.)"""
     nbytes = max(int(fraction * peak), lower_bound)
     while True:
         budget = coop_arena.Budget(nbytes, device="cpu", policy=policy)

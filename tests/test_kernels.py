@@ -448,9 +448,10 @@ def test_serial_move_counts_its_tiles_in_64_bits_just_under_2_gib():
 
 
 def test_a_hand_launched_kernel_through_pinned_views_is_exact():
-    """The README's `pinned()` example, run where this layer runs. Under the interpreter a launch copies each
-    argument's whole storage (the arena) through torch ops, which the Budget refuses; the README says to launch
-    inside `_disable_current_modes()` there, and this checks that that is exact. On CUDA it launches as written."""
+    """The `pinned()` example of docs/custom-kernels.md, run where this layer runs. Under the interpreter a launch
+    copies each argument's whole storage (the arena) through torch ops, which the Budget refuses; the docs say to
+    launch inside `_disable_current_modes()` there, and this checks that that is exact. On CUDA it launches as
+    written."""
     import triton
     import triton.language as tl
     from torch.utils._python_dispatch import _disable_current_modes

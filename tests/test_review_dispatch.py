@@ -154,8 +154,8 @@ def test_packed_sequences_run_in_a_cpu_block(policy):
 
 
 @pytest.mark.xfail(strict=True, raises=RuntimeError, reason="pad_packed_sequence's C++ kernel writes the lengths "
-                   "it makes on the CPU by pointer; in a CPU block that tensor is a wrapper without data (README, "
-                   "Known limits; on CUDA and on meta it is a plain CPU tensor)")
+                   "it makes on the CPU by pointer; in a CPU block that tensor is a wrapper without data "
+                   "(docs/limits.md; on CUDA and on meta it is a plain CPU tensor)")
 def test_pad_packed_sequence_in_a_cpu_block():
     _packed_step(coop_arena.Budget(1 << 24, device="cpu"))
 
