@@ -40,6 +40,7 @@ import bisect
 import numpy as np
 
 from .errors import _internal_assert
+from .policy import compiled_decision
 
 FREE = 0  # owner code of a free block
 ALIGNMENT = 512  # the default granularity of placement, and so the smallest arena a Budget makes
@@ -283,23 +284,32 @@ class BlockTable:
 
     def _columns(self):
         """Bring the cached order of ids up to date and gather the address-ordered columns (Note [Block table])."""
-        order, offsets = self._order, self._order_off
-        if self._dead:
-            keep = self._alive_a[order]
-            order, offsets = order[keep], offsets[keep]
-            self._spare.extend(self._dead)
-            self._dead = []
-        if self._born:
+        compiled = compiled_decision()
+        if compiled is not None:  # the same merge in one compiled pass (Note [Compiled decision])
             born = np.fromiter(self._born, np.int64, len(self._born))
-            self._born = set()
-            born_off = self._off_a[born]
-            k = born_off.argsort()
-            born, born_off = born[k], born_off[k]
-            at = offsets.searchsorted(born_off)  # offsets are distinct: each born id goes before the first above it
-            order = np.insert(order, at, born)
-            offsets = np.insert(offsets, at, born_off)
+            order, offsets, sizes, owners = compiled.columns(self._order, self._alive_a, born, self._off_a,
+                                                             self._size_a, self._owner_a)
+            self._spare.extend(self._dead)
+            self._dead, self._born = [], set()
+        else:
+            order, offsets = self._order, self._order_off
+            if self._dead:
+                keep = self._alive_a[order]
+                order, offsets = order[keep], offsets[keep]
+                self._spare.extend(self._dead)
+                self._dead = []
+            if self._born:
+                born = np.fromiter(self._born, np.int64, len(self._born))
+                self._born = set()
+                born_off = self._off_a[born]
+                k = born_off.argsort()
+                born, born_off = born[k], born_off[k]
+                at = offsets.searchsorted(born_off)  # offsets are distinct: each born id goes before the first above
+                order = np.insert(order, at, born)
+                offsets = np.insert(offsets, at, born_off)
+            sizes, owners = self._size_a[order], self._owner_a[order]
         self._order, self._order_off = order, offsets
-        cols = (offsets, self._size_a[order], self._owner_a[order])
+        cols = (offsets, sizes, owners)
         for c in cols:
             c.flags.writeable = False  # shared by every reader until the next mutation
         self._cols = cols

@@ -11,6 +11,22 @@ Approach: `window` computes exactly what the numpy formulation computes, in the 
   that both paths return the same plans bit for bit.
 Limitations: compiled on first use (`cache=True` keeps the machine code in __pycache__, so later processes only
   load it); without numba, or where it fails to import, the numpy path runs (policy.compiled_window).
+
+Note [Compiled decision]
+Rationale: the window search is one part of what an eviction event spends choosing. The prices it reads (c/s
+  and the price of a copy per block, gathered from the per-slot columns) and the move plan's reruns (Note [Moving
+  instead of evicting] in memory.py: a window on cheaper prices, then a destination for each block priced as a
+  copy) were another few dozen numpy calls and Python loops per event, more than the window search itself.
+Approach: `prices` gathers and divides in one pass, in numpy's order of operations (clock - last, + 1.0, then
+  c / s and 2.0 * bytes / s), so every price has the same bits. `move_search` runs the move plan's loop as
+  memory.py's Python version does: the window on the copy prices, the window's movable blocks largest first
+  (then lowest index), each taking the best-fitting free hole outside the window (smallest, then lowest
+  address) or else the range of the smallest evictable block outside it whose eviction costs less than its own
+  (then the cheapest, then the lowest index), and a rerun with a block priced at its eviction when it finds
+  neither. It returns the window and the moves; the caller totals the plan's cost with numpy, as before, so
+  sums keep their order. `columns` brings the block table's address-ordered columns up to date (Note [Block
+  table] in blocks.py) in one merge: the cached order less its dead ids, merged by offset with the ids born
+  since. tests/test_search_paths.py checks both paths give the same plans, prices and columns.
 """
 
 from __future__ import annotations
@@ -18,7 +34,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-BLOCKED = 2  # policy.BLOCKED (not imported: this module must not import the package it serves)
+FREE, EVICTABLE, BLOCKED = 0, 1, 2  # policy's kinds (not imported: this module must not import the package it serves)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -51,3 +67,126 @@ def window(offsets, sizes, kind, h, need):
         if cost < best:
             best, best_lo, best_r = cost, lo, r
     return best_lo, best_r, best
+
+
+@numba.njit(cache=True, nogil=True)
+def prices(own, kind_rows, c_rows, last_rows, sizes, clock):
+    """Per block in address order (row `own[i]` of the per-slot columns): its kind, c/s and 2 x bytes / s, with
+    s = clock - last + 1.0 (Note [Compiled decision])."""
+    n = own.shape[0]
+    kind = np.empty(n, kind_rows.dtype)
+    h = np.empty(n)
+    move = np.empty(n)
+    for i in range(n):
+        o = own[i]
+        s = clock - last_rows[o]
+        s += 1.0
+        kind[i] = kind_rows[o]
+        h[i] = c_rows[o] / s
+        move[i] = 2.0 * sizes[i] / s
+    return kind, h, move
+
+
+@numba.njit(cache=True, nogil=True)
+def _take_hole(hole_off, hole_size, holes, nbytes):
+    """Offset of `nbytes` from the low end of the best-fitting of the first `holes` holes, or -1."""
+    best = -1
+    for j in range(holes):
+        if hole_size[j] >= nbytes and (best < 0 or hole_size[j] < hole_size[best]
+                                       or (hole_size[j] == hole_size[best] and hole_off[j] < hole_off[best])):
+            best = j
+    if best < 0:
+        return -1
+    at = hole_off[best]
+    hole_off[best] += nbytes
+    hole_size[best] -= nbytes
+    return at
+
+
+@numba.njit(cache=True, nogil=True)
+def move_search(offsets, sizes, owners, kind, h, move, cand, need, plain_cost):
+    """The move plan's search (Note [Compiled decision]): (lo, r, cost, moved, at, made, count) with the moves in
+    the first `count` entries (made: the block evicted to make the hole, or -1), or count = -1 when no window on
+    the copy prices costs less than `plain_cost`. `cand` (the blocks priced as copies) is updated in place."""
+    n = sizes.shape[0]
+    h2 = np.empty(n)
+    for i in range(n):
+        h2[i] = move[i] if cand[i] else h[i]
+    moved = np.empty(n, np.int64)
+    at = np.empty(n, np.int64)
+    made = np.empty(n, np.int64)
+    hole_off = np.empty(n, np.int64)
+    hole_size = np.empty(n, np.int64)
+    spare = np.empty(n, np.bool_)
+    while True:
+        lo, r, cost = window(offsets, sizes, kind, h2.copy(), need)
+        if r < 0 or cost >= plain_cost:
+            return lo, r, cost, moved, at, made, -1
+        start, end = offsets[lo], offsets[r] + sizes[r]
+        holes = 0
+        for j in range(n):
+            outside = offsets[j] + sizes[j] <= start or offsets[j] >= end
+            spare[j] = outside and kind[j] == EVICTABLE
+            if outside and owners[j] == 0:
+                hole_off[holes] = offsets[j]
+                hole_size[holes] = sizes[j]
+                holes += 1
+        movers = np.array([i for i in range(lo, r + 1) if kind[i] == EVICTABLE and cand[i]], np.int64)
+        order = movers[np.argsort(-sizes[movers], kind="mergesort")]  # largest first, then lowest index
+        count, stuck = 0, -1
+        for i in order:
+            hole = -1
+            dest = _take_hole(hole_off, hole_size, holes, sizes[i])
+            if dest < 0:  # make a hole: the smallest cheaper evictable block outside, then cheapest, then lowest
+                for j in range(n):
+                    if spare[j] and sizes[j] >= sizes[i] and h[j] + move[i] < h[i] and (
+                            hole < 0 or sizes[j] < sizes[hole] or (sizes[j] == sizes[hole] and h[j] < h[hole])):
+                        hole = j
+                if hole < 0:
+                    stuck = i
+                    break
+                spare[hole] = False
+                hole_off[holes] = offsets[hole]
+                hole_size[holes] = sizes[hole]
+                holes += 1
+                dest = _take_hole(hole_off, hole_size, holes, sizes[i])
+            moved[count] = i
+            at[count] = dest
+            made[count] = hole
+            count += 1
+        if stuck < 0:
+            return lo, r, cost, moved, at, made, count
+        cand[stuck] = False  # no destination: priced at its eviction, and the search runs again
+        h2[stuck] = h[stuck]
+
+
+@numba.njit(cache=True, nogil=True)
+def columns(order, alive, born, off, size, owner):
+    """(order, offsets, sizes, owners) in address order: the ids of `order` (address-ordered) still `alive`,
+    merged by offset with the ids `born` (in any order; offsets are distinct among live ids)."""
+    born = born[np.argsort(off[born])]
+    n = 0
+    for b in order:
+        if alive[b]:
+            n += 1
+    n += born.shape[0]
+    out = np.empty(n, np.int64)
+    i = j = 0
+    for k in range(n):
+        while i < order.shape[0] and not alive[order[i]]:
+            i += 1
+        if j < born.shape[0] and (i == order.shape[0] or off[born[j]] < off[order[i]]):
+            out[k] = born[j]
+            j += 1
+        else:
+            out[k] = order[i]
+            i += 1
+    offsets = np.empty(n, np.int64)
+    sizes = np.empty(n, np.int64)
+    owners = np.empty(n, np.int64)
+    for k in range(n):
+        b = out[k]
+        offsets[k] = off[b]
+        sizes[k] = size[b]
+        owners[k] = owner[b]
+    return out, offsets, sizes, owners

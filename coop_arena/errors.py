@@ -193,5 +193,6 @@ def warn(message: str, category: type[Warning]) -> None:
     frame = frame or caller
     g = frame.f_globals
     warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
-                           module=g.get("__name__", "<string>"), registry=g.setdefault("__warningregistry__", {}),
-                           module_globals=g)
+                           module=g.get("__name__", "<string>"), registry=g.setdefault("__warningregistry__", {}))
+    # (no module_globals, as warnings.warn passes none: with them, warn_explicit asks the module's loader for
+    # its source, and the loader of `python -c`'s __main__ raises ImportError instead of answering)

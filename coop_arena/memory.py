@@ -539,6 +539,9 @@ class Memory:
         self._stop_following()
         self._refresh_costs()
         own = self.table.owners
+        compiled = _policy.compiled_decision()
+        if compiled is not None:  # Note [Compiled decision] in compiled.py: the same bits in one pass
+            return compiled.prices(own, self._kind, self._c, self._last, self.table.sizes, self.clock)
         stale = self.clock - self._last[own]
         stale += 1.0  # (clock - last + 1.0, as _policy.heuristic computes it: the same bits)
         return self._kind[own], self._c[own] / stale, 2.0 * self.table.sizes / stale
@@ -622,6 +625,30 @@ class Memory:
         cand = (kind == EVICTABLE) & (move < h)
         if not cand.any():
             return None
+        table = self.table
+        compiled = _policy.compiled_decision()
+        if compiled is not None:  # Note [Compiled decision] in compiled.py: the loop below, in one call
+            lo, r, wcost, moved, at, made, count = compiled.move_search(
+                table.offsets, table.sizes, table.owners, kind, h, move, cand, need, plain.cost)
+            if count <= 0:
+                return None
+            plan = _policy._window_plan(table.offsets, table.sizes, kind, lo, r, wcost)
+            moves = [(None if b < 0 else b, (i, a))
+                     for b, i, a in zip(made[:count].tolist(), moved[:count].tolist(), at[:count].tolist())]
+        else:
+            plan, moves = self._move_search(need, plain, kind, h, move, cand)
+            if not moves:
+                return None
+        evict = [i for i in plan.victims if not cand[i]] + [b for b, _ in moves if b is not None]
+        cost = float(h[evict].sum()) + sum(float(move[i]) for _, (i, _) in moves)
+        if cost >= plain.cost:
+            return None
+        moved = tuple((self._storage_at(i), at) for _, (i, at) in moves)
+        return _policy.EvictionPlan(tuple(sorted(evict)), plan.start, plan.end, cost, plan.policy), moved
+
+    def _move_search(self, need, plain, kind, h, move, cand):
+        """The move plan's window and its moves ([] when it has no cheaper window); `cand` is updated in place
+        (Note [Moving instead of evicting]; compiled.move_search is the same loop, compiled)."""
         h2 = np.where(cand, move, h)
         sizes = self.table.sizes
 
@@ -634,20 +661,12 @@ class Memory:
         while True:  # each rerun prices one more block at its eviction: at most one per candidate
             plan = _policy.coop_window(self.table.offsets, self.table.sizes, kind, h2.copy(), need)
             if plan is None or plan.cost >= plain.cost:
-                return None
+                return None, []
             moves, stuck = self._copies(plan, cand, kind, smallest_cheaper)
             if stuck is None:
-                break
+                return plan, moves
             cand[stuck] = False  # no destination: priced at its eviction, and the search runs again
             h2[stuck] = h[stuck]
-        if not moves:
-            return None
-        evict = [i for i in plan.victims if not cand[i]] + [b for b, _ in moves if b is not None]
-        cost = float(h[evict].sum()) + sum(float(move[i]) for _, (i, _) in moves)
-        if cost >= plain.cost:
-            return None
-        moved = tuple((self._storage_at(i), at) for _, (i, at) in moves)
-        return _policy.EvictionPlan(tuple(sorted(evict)), plan.start, plan.end, cost, plan.policy), moved
 
     def _copies(self, plan, movers, kind, hole_from):
         """A destination outside the window for each block of it in `movers`, largest first: a free hole (best

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -164,6 +165,12 @@ def compiled_window():
             window = None
         _COMPILED.append(window)
     return _COMPILED[0]
+
+
+def compiled_decision():
+    """The compiled module (compiled.py: the prices and the move plan's search, Note [Compiled decision]) while
+    the compiled window search is in use, else None: either every part of a decision is compiled or none."""
+    return None if compiled_window() is None else sys.modules.get("coop_arena.compiled")
 
 
 class _Runs:

@@ -5,6 +5,8 @@
 - dtr / dte: the sorted-scores-plus-heap loop (Note [DTR loop]) equals the original loop, kept here as
   `reference_dtr`: one argmin over all scores per victim and a walk over the free blocks to measure each run.
 - Memory: the same random program run with the compiled search and with the numpy one gives the same trace.
+- The rest of a decision (Note [Compiled decision] in compiled.py): the compiled prices have the bits of the
+  numpy ones, and the compiled move plan picks the same window, moves and holes as the Python one.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_memory_properties import SETTINGS, U, Driver, as_tuple, columns, step_st
+from test_memory_properties import SETTINGS, U, Driver, as_tuple, columns, move_layouts, step_st
 
-from coop_arena import policy
+from coop_arena import Memory, OutOfBudget, policy
 from coop_arena.policy import BLOCKED, EVICTABLE, FREE, EvictionPlan, coop_window, coop_window_numpy, plan_dtr
 
 COMPILED = policy.compiled_window()
@@ -211,3 +213,61 @@ def test_memory_decides_the_same_with_either_search():
 
     same()
     assert sum(evictions) >= 500, evictions
+
+
+# ------------------------------------------------------------------------------------- the rest of a decision
+@needs_numba
+@settings(max_examples=60, **SETTINGS)
+@given(cols=big_columns())
+def test_compiled_prices_have_the_bits_of_numpy(cols):
+    from coop_arena import compiled
+    offsets, sizes, kind, c, last, clock, _ = cols
+    rng = np.random.default_rng(len(sizes))
+    own = rng.permutation(len(sizes))  # the rows of the per-slot columns, in a block order of their own
+    stale = clock - last[own]
+    stale += 1.0
+    want = (kind[own], c[own] / stale, 2.0 * sizes / stale)
+    got = compiled.prices(own, kind, c, last, sizes, clock)
+    assert all(g.tobytes() == w.tobytes() and g.dtype == w.dtype for g, w in zip(got, want))
+
+
+def _move_case(blocks, need_units):
+    m = Memory(sum(u for _, u, _ in blocks) * U, policy="coop", partition=False)
+    holes = []
+    for kind, units, cost in blocks:
+        s = m.allocate(units * U, cost, pinned=kind == "pinned")
+        if kind == "free":
+            holes.append(s)
+    for s in holes:
+        m.free(s)
+    copies = []
+    m.mover = lambda src, dst, n: copies.append((src, dst, n))
+    try:
+        m.allocate(need_units * U, 1.0)
+    except OutOfBudget:
+        copies.append("out of budget")
+    stats = {k: v for k, v in m.stats.as_dict().items() if not k.startswith("search_seconds")}  # (timings)
+    return copies, m.snapshot(), [(e.kind, e.sid, e.offset) for e in m.trace.events], stats
+
+
+@needs_numba
+def test_the_compiled_move_plan_moves_as_the_python_one():
+    """Layouts where a copy into a hole (or into the range of a cheaper block evicted for it) beats an
+    eviction, with reruns when a block finds no destination: the same moves, layout, trace and stats."""
+    moved = []
+
+    @settings(max_examples=1000, **SETTINGS)
+    @given(case=move_layouts())
+    def same(case):
+        runs = []
+        for path in (COMPILED, None):
+            policy._COMPILED[:] = [path]
+            try:
+                runs.append(_move_case(*case))
+            finally:
+                policy._COMPILED[:] = [COMPILED]
+        assert runs[0] == runs[1]
+        moved.append(runs[0][3]["relocations"])
+
+    same()
+    assert sum(1 for n in moved if n) >= 25, sum(1 for n in moved if n)  # enough cases moved a block for the comparison to mean it

@@ -192,3 +192,17 @@ def test_default_filters_show_the_warning_once_per_user_line():
         for _ in range(3):
             errors.warn("once here", UserWarning)
     assert len(caught) == 1 and caught[0].filename == HERE
+
+
+def test_a_warning_from_python_dash_c_is_shown(tmp_path):
+    """`python -c` code (and any __main__ whose loader cannot give its source) gets the warning printed, not an
+    ImportError from looking up the source line."""
+    import subprocess
+    code = ("import torch, coop_arena\n"
+            "m = torch.nn.Linear(64, 64); x = torch.randn(64, 64)\n"
+            "b = coop_arena.Budget(1 << 20, device='cpu')\n"
+            "with b: m(x).sum().backward()\n"
+            "print('done')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "done" in r.stdout and "FootprintExceeded" in r.stderr and "<string>:4" in r.stderr
