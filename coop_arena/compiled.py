@@ -104,13 +104,15 @@ def _take_hole(hole_off, hole_size, holes, nbytes):
 
 
 @numba.njit(cache=True, nogil=True)
-def move_search(offsets, sizes, owners, kind, h, move, cand, need, plain_cost):
-    """The move plan's search (Note [Compiled decision]): (lo, r, cost, moved, at, made, count) with the moves in
-    the first `count` entries (made: the block evicted to make the hole, or -1), or count = -1 when no window on
-    the copy prices costs less than `plain_cost`. `cand` (the blocks priced as copies) is updated in place."""
+def move_search(offsets, sizes, owners, kind, h, move, need, plain_cost):
+    """The move plan's search (Note [Compiled decision]): (lo, r, cost, moved, at, made, count, cand) with the
+    moves in the first `count` entries (made: the block evicted to make the hole, or -1), or count = -1 when no
+    window on the copy prices costs less than `plain_cost`; `cand`: the blocks priced as copies at the end."""
     n = sizes.shape[0]
     h2 = np.empty(n)
+    cand = np.empty(n, np.bool_)
     for i in range(n):
+        cand[i] = kind[i] == EVICTABLE and move[i] < h[i]
         h2[i] = move[i] if cand[i] else h[i]
     moved = np.empty(n, np.int64)
     at = np.empty(n, np.int64)
@@ -121,7 +123,7 @@ def move_search(offsets, sizes, owners, kind, h, move, cand, need, plain_cost):
     while True:
         lo, r, cost = window(offsets, sizes, kind, h2.copy(), need)
         if r < 0 or cost >= plain_cost:
-            return lo, r, cost, moved, at, made, -1
+            return lo, r, cost, moved, at, made, -1, cand
         start, end = offsets[lo], offsets[r] + sizes[r]
         holes = 0
         for j in range(n):
@@ -155,7 +157,7 @@ def move_search(offsets, sizes, owners, kind, h, move, cand, need, plain_cost):
             made[count] = hole
             count += 1
         if stuck < 0:
-            return lo, r, cost, moved, at, made, count
+            return lo, r, cost, moved, at, made, count, cand
         cand[stuck] = False  # no destination: priced at its eviction, and the search runs again
         h2[stuck] = h[stuck]
 

@@ -622,20 +622,20 @@ class Memory:
         it (or to the range of a cheaper block outside it, evicted to make room) where a copy costs less than
         their eviction, or None."""
         kind, h, move = prices
-        cand = (kind == EVICTABLE) & (move < h)
-        if not cand.any():
-            return None
         table = self.table
         compiled = _policy.compiled_decision()
         if compiled is not None:  # Note [Compiled decision] in compiled.py: the loop below, in one call
-            lo, r, wcost, moved, at, made, count = compiled.move_search(
-                table.offsets, table.sizes, table.owners, kind, h, move, cand, need, plain.cost)
+            lo, r, wcost, moved, at, made, count, cand = compiled.move_search(
+                table.offsets, table.sizes, table.owners, kind, h, move, need, plain.cost)
             if count <= 0:
                 return None
             plan = _policy._window_plan(table.offsets, table.sizes, kind, lo, r, wcost)
             moves = [(None if b < 0 else b, (i, a))
                      for b, i, a in zip(made[:count].tolist(), moved[:count].tolist(), at[:count].tolist())]
         else:
+            cand = (kind == EVICTABLE) & (move < h)
+            if not cand.any():
+                return None
             plan, moves = self._move_search(need, plain, kind, h, move, cand)
             if not moves:
                 return None
