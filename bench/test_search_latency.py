@@ -133,3 +133,58 @@ def test_search_latency_after_a_mutation(benchmark, policy, search_path, count):
                              warmup_rounds=1)
     assert got == plan
     assert m.snapshot() == snap
+
+
+# ------------------------------------------------------------------------------------------- whole decisions
+CHAIN_LAYERS = {"2.4k": 400, "10k": 1_650}  # Linear(64) + Tanh layers: about 2,400 and 10,000 storages
+
+
+@functools.cache
+def _chain(layers: int):
+    """A dry run (meta) of a Linear(64)+Tanh chain: the step, and its peak with ample memory."""
+    import torch
+    import coop_arena
+    mods = []
+    for _ in range(layers):
+        mods += [torch.nn.Linear(64, 64), torch.nn.Tanh()]
+    model, x = torch.nn.Sequential(*mods).to("meta"), torch.empty(64, 64, device="meta")
+
+    def step(budget):
+        with budget:
+            model(x).sum().backward()
+        for p in model.parameters():
+            p.grad = None
+    probe = coop_arena.Budget(1 << 40, device="meta")
+    step(probe)
+    return step, probe.stats.peak_bytes, probe.stats.ops
+
+
+@pytest.mark.parametrize("size", list(CHAIN_LAYERS))
+@pytest.mark.parametrize("policy,search_path", PATHS, indirect=["search_path"])
+def test_decision_time_per_event(benchmark, policy, search_path, size, monkeypatch):
+    """Everything a placement that needs room spends choosing (cost refresh, prices, window search, move,
+    relocation and compaction plans: `stats.search_seconds`), per eviction event, on the chain's dry run at 40 %
+    of its peak. The median over the events of the last round is the figure (extra_info)."""
+    import coop_arena
+    from coop_arena.memory import Memory
+    step, peak, ops = _chain(CHAIN_LAYERS[size])
+    times = []
+    apply = Memory._apply
+
+    def timed(self, plan, need, search_seconds, *args, **kwargs):  # read the time the decision took
+        times.append(search_seconds)
+        return apply(self, plan, need, search_seconds, *args, **kwargs)
+    monkeypatch.setattr(Memory, "_apply", timed)
+    budgets = []
+
+    def setup():
+        times.clear()
+        budgets.append(coop_arena.Budget(int(0.4 * peak), device="meta", policy=policy, replay=False))
+        return (budgets[-1],), {}
+    benchmark.pedantic(step, setup=setup, rounds=3, warmup_rounds=1)
+    st = budgets[-1].stats
+    assert st.eviction_events == len(times) > 0
+    times.sort()
+    benchmark.extra_info.update(ops=ops, events=len(times), median_us=times[len(times) // 2] * 1e6,
+                                p90_us=times[int(len(times) * 0.9)] * 1e6, mean_us=st.search_seconds_per_event * 1e6,
+                                relocations=st.relocations)

@@ -23,8 +23,8 @@ Approach: `prices` gathers and divides in one pass, in numpy's order of operatio
   (then lowest index), each taking the best-fitting free hole outside the window (smallest, then lowest
   address) or else the range of the smallest evictable block outside it whose eviction costs less than its own
   (then the cheapest, then the lowest index), and a rerun with a block priced at its eviction when it finds
-  neither. It returns the window and the moves; the caller totals the plan's cost with numpy, as before, so
-  sums keep their order. `columns` brings the block table's address-ordered columns up to date (Note [Block
+  neither. It returns the window and the moves; `move_total` lists what the plan evicts and sums the copies'
+  prices, and the caller totals the evictions' prices with numpy, as before, so every sum keeps its order. `columns` brings the block table's address-ordered columns up to date (Note [Block
   table] in blocks.py) in one merge: the cached order less its dead ids, merged by offset with the ids born
   since. tests/test_search_paths.py checks both paths give the same plans, prices and columns.
 """
@@ -163,6 +163,23 @@ def move_search(offsets, sizes, owners, kind, h, move, need, plain_cost):
 
 
 @numba.njit(cache=True, nogil=True)
+def move_total(kind, move, cand, lo, r, moved, made, count):
+    """What a move plan evicts, in the order memory.py totals it (the window's evictable blocks not moved, in
+    address order, then the blocks evicted to make holes), and the sum of its copy prices in the moves' order
+    (left to right, as Python's sum)."""
+    evict = []
+    for i in range(lo, r + 1):
+        if kind[i] == EVICTABLE and not cand[i]:
+            evict.append(i)
+    copies = 0.0
+    for k in range(count):
+        if made[k] >= 0:
+            evict.append(made[k])
+        copies += move[moved[k]]
+    return np.array(evict, np.int64), copies
+
+
+@numba.njit(cache=True, nogil=True)
 def columns(order, alive, born, off, size, owner):
     """(order, offsets, sizes, owners) in address order: the ids of `order` (address-ordered) still `alive`,
     merged by offset with the ids `born` (in any order; offsets are distinct among live ids)."""
@@ -192,3 +209,15 @@ def columns(order, alive, born, off, size, owner):
         sizes[k] = size[b]
         owners[k] = owner[b]
     return out, offsets, sizes, owners
+
+
+@numba.njit(cache=True, nogil=True)
+def evictable(kind, lo, r):
+    """The EVICTABLE blocks of lo..r, ascending: a window's victims."""
+    out = np.empty(r + 1 - lo, np.int64)
+    n = 0
+    for i in range(lo, r + 1):
+        if kind[i] == EVICTABLE:
+            out[n] = i
+            n += 1
+    return out[:n]

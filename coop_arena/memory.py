@@ -624,27 +624,30 @@ class Memory:
         kind, h, move = prices
         table = self.table
         compiled = _policy.compiled_decision()
-        if compiled is not None:  # Note [Compiled decision] in compiled.py: the loop below, in one call
-            lo, r, wcost, moved, at, made, count, cand = compiled.move_search(
-                table.offsets, table.sizes, table.owners, kind, h, move, need, plain.cost)
-            if count <= 0:
-                return None
-            plan = _policy._window_plan(table.offsets, table.sizes, kind, lo, r, wcost)
-            moves = [(None if b < 0 else b, (i, a))
-                     for b, i, a in zip(made[:count].tolist(), moved[:count].tolist(), at[:count].tolist())]
-        else:
+        if compiled is None:
             cand = (kind == EVICTABLE) & (move < h)
             if not cand.any():
                 return None
             plan, moves = self._move_search(need, plain, kind, h, move, cand)
             if not moves:
                 return None
-        evict = [i for i in plan.victims if not cand[i]] + [b for b, _ in moves if b is not None]
-        cost = float(h[evict].sum()) + sum(float(move[i]) for _, (i, _) in moves)
+            evict = [i for i in plan.victims if not cand[i]] + [b for b, _ in moves if b is not None]
+            cost = float(h[evict].sum()) + sum(float(move[i]) for _, (i, _) in moves)
+            start, end, moves = plan.start, plan.end, [m for _, m in moves]
+        else:  # Note [Compiled decision] in compiled.py: the same search and totals, compiled
+            lo, r, _, moved, at, made, count, cand = compiled.move_search(
+                table.offsets, table.sizes, table.owners, kind, h, move, need, plain.cost)
+            if count <= 0:
+                return None
+            evict, copies = compiled.move_total(kind, move, cand, lo, r, moved, made, count)
+            cost = float(h[evict].sum()) + copies
+            evict = evict.tolist()
+            start, end = int(table.offsets[lo]), int(table.offsets[r] + table.sizes[r])
+            moves = zip(moved[:count].tolist(), at[:count].tolist())
         if cost >= plain.cost:
             return None
-        moved = tuple((self._storage_at(i), at) for _, (i, at) in moves)
-        return _policy.EvictionPlan(tuple(sorted(evict)), plan.start, plan.end, cost, plan.policy), moved
+        moved = tuple((self._storage_at(i), a) for i, a in moves)
+        return _policy.EvictionPlan(tuple(sorted(evict)), start, end, cost, "coop"), moved
 
     def _move_search(self, need, plain, kind, h, move, cand):
         """The move plan's window and its moves ([] when it has no cheaper window); `cand` is updated in place

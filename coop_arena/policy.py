@@ -145,7 +145,12 @@ def coop_window_numpy(offsets, sizes, kind, h, need: int) -> EvictionPlan | None
 
 
 def _window_plan(offsets, sizes, kind, lo: int, r: int, cost) -> EvictionPlan:
-    victims = tuple((np.flatnonzero(kind[lo : r + 1] == EVICTABLE) + lo).tolist())
+    compiled = compiled_decision()
+    if compiled is not None:
+        victims = compiled.evictable(kind, lo, r)
+    else:
+        victims = np.flatnonzero(kind[lo : r + 1] == EVICTABLE) + lo
+    victims = tuple(victims.tolist())
     return EvictionPlan(victims, int(offsets[lo]), int(offsets[r] + sizes[r]), float(cost), "coop")
 
 
