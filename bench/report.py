@@ -81,12 +81,14 @@ def host_overhead(path: str) -> str:
             rows.setdefault(info["workload"], {})[info["config"]] = b["stats"][stat]
             ops[info["workload"]] = info["ops"]
         out += ["", f"us of host time per aten op, {title} (ratio to the empty dispatch mode):", "",
-                "| workload | ops | " + " | ".join(configs) + " |", "|---|---|" + "---|" * len(configs)]
+                "| workload | ops | " + " | ".join(configs) + " | ample-later / eager |",
+                "|---|---|" + "---|" * (len(configs) + 1)]
         for w, r in rows.items():
             n = ops[w]
             empty = r["empty_mode"] / n
             cells = [f"{r[c] / n * 1e6:.1f} ({r[c] / n / empty:.1f}x)" if c in r else "-" for c in configs]
-            out.append(f"| {w} | {n} | " + " | ".join(cells) + " |")
+            plain = f"{r['ample-later'] / r['eager']:.1f}x" if "ample-later" in r and "eager" in r else "-"
+            out.append(f"| {w} | {n} | " + " | ".join(cells) + f" | {plain} |")
     return "\n".join(out)
 
 
