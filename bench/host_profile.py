@@ -30,27 +30,15 @@ def _timed(run, budget, seconds: float) -> int:
 
 
 def run(name: str, ratio: str, seconds: float) -> None:
-    import torch
-
     import coop_arena
-    from bench.test_host_overhead import WORKLOADS
-    torch.set_num_threads(1)
-    step, model = WORKLOADS[name]()
-
-    def once(ctx):
-        with ctx:
-            step()
-        if model is not None:
-            for p in model.parameters():
-                p.grad = None
-    probe = coop_arena.Budget(1 << 30, device="cpu")
-    once(probe)
-    nbytes = (1 << 30) if ratio == "ample" else int(float(ratio) * probe.stats.peak_bytes)
+    from bench.test_host_overhead import _workload  # (sets one thread, as the benchmark runs)
+    once, ops, peak = _workload(name)
+    nbytes = (1 << 30) if ratio == "ample" else int(float(ratio) * peak)
     budget = coop_arena.Budget(nbytes, device="cpu")
     for _ in range(4):
         once(budget)
     n = _timed(once, budget, seconds)
-    print(f"{name} at {ratio}: {n} later blocks, {budget.stats.ops} ops each, evictions {budget.stats.evictions}")
+    print(f"{name} at {ratio}: {n} later blocks of {ops} ops, {budget.stats.evictions} evictions each")
 
 
 def summary(path: str, top: int = 40) -> str:
