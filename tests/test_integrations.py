@@ -1,0 +1,122 @@
+"""Trainer integrations (coop_arena/integrations/): a few steps of each trainer under a budget small enough that
+tensors are evicted and recomputed, parameters and buffers bit for bit those of the same trainer run without a
+Budget from the same seed. Models are built from configs, data made here: nothing is downloaded."""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+import warnings
+
+import pytest
+import torch
+
+import coop_arena
+from coop_arena.integrations import StepBudget
+from training import bitwise_equal, state
+
+pytest.importorskip("transformers")  # (both are in the test extra: this only guards a partial environment)
+pytest.importorskip("lightning")
+
+pytestmark = pytest.mark.filterwarnings(
+    # a Budget's first block may go over its cap while it learns its headroom (FootprintExceeded, Note [Headroom])
+    "ignore::coop_arena.FootprintExceeded")
+
+
+# ------------------------------------------------------------------------------------------------ transformers
+class Tokens(torch.utils.data.Dataset):
+    """Random token sequences, their own labels (causal language modelling)."""
+
+    def __init__(self, n, seq=64, vocab=256, seed=0):
+        self.x = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def hf_run(output_dir, budget=None, **budget_kwargs):
+    """Three optimizer steps of a 2-layer GPT-2 (dropout 0.1) with 2 micro-batches each, evaluated after step 2 and
+    at the end; (trainer, model, eval losses)."""
+    import transformers
+
+    from coop_arena.integrations.transformers import BudgetTrainer
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=64,
+                                                                 n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0))
+    args = transformers.TrainingArguments(
+        output_dir=str(output_dir), max_steps=3, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        per_device_eval_batch_size=8, eval_strategy="steps", eval_steps=2, seed=0, use_cpu=True, report_to="none",
+        save_strategy="no", logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
+    kwargs = dict(model=model, args=args, train_dataset=Tokens(16), eval_dataset=Tokens(16, seed=1))
+    trainer = (transformers.Trainer(**kwargs) if budget is None
+               else BudgetTrainer(**kwargs, budget=budget, **budget_kwargs))
+    trainer.train()
+    return trainer, model, [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
+
+
+@functools.cache
+def hf_plain():
+    with tempfile.TemporaryDirectory() as d:
+        _, model, losses = hf_run(d)
+    return state(model), losses
+
+
+def test_transformers_accumulation_evaluation_under_budget(tmp_path):
+    """Bytes; each micro-batch a block; each evaluation batch a block too (evaluation="budget")."""
+    trainer, model, losses = hf_run(tmp_path, 2_200_000, evaluation="budget")
+    sb = trainer.step_budget
+    assert sb.train.blocks == 6  # 3 steps x 2 micro-batches
+    assert sb.train.evictions > 0 and sb.train.rematerializations > 0
+    assert sb.eval.blocks == 4 and sb.eval.evictions > 0  # 2 evaluations x 2 batches
+    expected_state, expected_losses = hf_plain()
+    assert bitwise_equal(state(model), expected_state)
+    assert losses == expected_losses and len(losses) == 2
+
+
+def test_transformers_fraction_evaluation_outside(tmp_path):
+    """A fraction: the first step measured without a Budget, the later ones under half its peak."""
+    trainer, model, losses = hf_run(tmp_path, 0.5)
+    sb = trainer.step_budget
+    assert sb.peak > 1 << 20
+    assert sb.budget.nbytes == int(0.5 * sb.peak)
+    assert sb.train.blocks == 5  # the first micro-batch was the measurement
+    assert sb.train.evictions > 0 and sb.train.rematerializations > 0
+    assert sb.eval.blocks == 0
+    expected_state, expected_losses = hf_plain()
+    assert bitwise_equal(state(model), expected_state)
+    assert losses == expected_losses
+
+
+# --------------------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("budget", [0.0, 1.5, -0.5, float("nan"), 0, -4096, True, "1GB", None, [1 << 20]])
+def test_bad_budget_says_what_is_accepted(budget):
+    with pytest.raises(ValueError, match=r"budget=.*accepted: an int number of bytes > 0"):
+        StepBudget(budget)
+
+
+def test_bad_evaluation_and_options_with_a_ready_budget():
+    with pytest.raises(ValueError, match=r"evaluation='inside' is not one of \('outside', 'budget'\)"):
+        StepBudget(1 << 20, evaluation="inside")
+    with pytest.raises(ValueError, match=r"Budget options \['policy'\] were given with a ready coop_arena.Budget"):
+        StepBudget(coop_arena.Budget(1 << 20, device="cpu"), policy="dtr")
+
+
+def test_trainer_checks_its_budget_before_anything_else(tmp_path):
+    from coop_arena.integrations.transformers import BudgetTrainer
+
+    with pytest.raises(ValueError, match=r"budget=2\.0 is a float outside \(0, 1\]"):
+        BudgetTrainer(model=None, budget=2.0)
+
+
+def test_importing_coop_arena_imports_no_trainer():
+    import subprocess
+    import sys
+
+    code = ("import sys, coop_arena, coop_arena.integrations; "
+            "print(sorted(m for m in ('transformers', 'lightning', 'accelerate') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
