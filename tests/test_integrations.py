@@ -120,3 +120,132 @@ def test_importing_coop_arena_imports_no_trainer():
             "print(sorted(m for m in ('transformers', 'lightning', 'accelerate') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# --------------------------------------------------------------------------------------------------- lightning
+class LayerMix(torch.nn.Module):
+    """An MLP whose head reads the mean of every block's output (a scalar mix of layers): all of them are alive
+    at once even under no_grad, so evaluation at a small budget evicts too."""
+
+    def __init__(self, width=128, depth=6):
+        super().__init__()
+        self.inp = torch.nn.Linear(32, width)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.LayerNorm(width), torch.nn.Tanh(),
+                                torch.nn.Dropout(0.1)) for _ in range(depth))
+        self.head = torch.nn.Linear(width, 8)
+
+    def forward(self, x):
+        hidden = [self.inp(x)]
+        for block in self.blocks:
+            hidden.append(block(hidden[-1]))
+        return self.head(sum(hidden[1:], hidden[0]) / len(hidden))
+
+
+def lightning_module(manual: bool):
+    import lightning.pytorch as L
+
+    class Classifier(L.LightningModule):
+        """LayerMix with dropout and LayerNorm (no buffers: BatchNorm's statistics are tested in the core suite);
+        manual optimization calls manual_backward and the optimizer itself."""
+
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = not manual
+            self.net = LayerMix()
+
+        def loss(self, batch):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.net(x), y)
+
+        def training_step(self, batch, batch_idx):
+            loss = self.loss(batch)
+            self.log("train_loss", loss)
+            if manual:
+                opt = self.optimizers()
+                opt.zero_grad()
+                self.manual_backward(loss)
+                opt.step()
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", self.loss(batch))
+
+        def test_step(self, batch, batch_idx):
+            self.log("test_loss", self.loss(batch))
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    return Classifier()
+
+
+def lightning_run(root, manual, callback=None, accumulate=1):
+    """Three optimizer steps (batches of 256), validated every second batch, then tested: (module, metrics of the
+    last training step, validation and test)."""
+    import lightning.pytorch as L
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(2048, 32, generator=g), torch.randint(0, 8, (2048,), generator=g))
+    loader = torch.utils.data.DataLoader(data, batch_size=256)
+    module = lightning_module(manual)
+    trainer = L.Trainer(
+        max_steps=3, accumulate_grad_batches=accumulate, val_check_interval=2, limit_val_batches=2,
+        limit_test_batches=2, num_sanity_val_steps=0, accelerator="cpu", devices=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+        callbacks=[callback] if callback is not None else [], deterministic=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")  # (num_workers=0 on purpose)
+        trainer.fit(module, loader, loader)
+        metrics = {k: v.item() for k, v in trainer.callback_metrics.items()}
+        metrics.update(trainer.test(module, loader, verbose=False)[0])
+    return module, metrics
+
+
+@functools.cache
+def lightning_plain(manual, accumulate):
+    with tempfile.TemporaryDirectory() as d:
+        module, metrics = lightning_run(d, manual, accumulate=accumulate)
+    return state(module), metrics
+
+
+@pytest.mark.parametrize("manual, budget, evaluation, accumulate", [
+    (False, 1_300_000, "budget", 2),  # automatic optimization with accumulation, bytes, evaluation under the budget
+    (True, 0.4, "outside", 1),      # manual optimization, a fraction, evaluation outside
+])
+def test_lightning(tmp_path, manual, budget, evaluation, accumulate):
+    from coop_arena.integrations.lightning import BudgetCallback
+
+    callback = BudgetCallback(budget, evaluation=evaluation)
+    module, metrics = lightning_run(tmp_path, manual, callback, accumulate)
+    sb = callback.step_budget
+    batches = 3 * accumulate
+    if isinstance(budget, float):
+        assert sb.peak > 0 and sb.budget.nbytes == int(budget * sb.peak)
+        batches -= 1  # the first batch was the measurement
+    assert sb.train.blocks == batches
+    assert sb.train.evictions > 0 and sb.train.rematerializations > 0
+    if evaluation == "budget":
+        assert sb.eval.blocks == 4 * 2 and sb.eval.evictions > 0  # validation after batches 2, 4, 6; test; 2 batches each
+    else:
+        assert sb.eval.blocks == 0
+    expected_state, expected_metrics = lightning_plain(manual, accumulate)
+    assert bitwise_equal(state(module), expected_state)
+    assert metrics == expected_metrics and set(metrics) == {"train_loss", "val_loss", "test_loss"}
+
+
+def test_lightning_step_that_does_not_fit_ends_its_block(tmp_path):
+    """OutOfBudget leaves fit through on_exception, which closes the block: no dispatch mode is left behind and
+    the Budget runs a block again."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from coop_arena.integrations.lightning import BudgetCallback
+
+    callback = BudgetCallback(200_000)
+    with pytest.raises(coop_arena.OutOfBudget):
+        lightning_run(tmp_path, False, callback)
+    assert _get_current_dispatch_mode() is None
+    with callback.step_budget.budget:
+        y = torch.ones(8) * 2
+    assert torch.equal(y, torch.full((8,), 2.0))

@@ -115,21 +115,20 @@ class StepBudget:
     # ------------------------------------------------------------------------------------------- blocks
     def begin(self, kind: str, *, device=None, keep=()) -> None:
         """Open the block of one training step (kind "train") or evaluation batch ("eval"). `device`: the
-        trainer's; `keep`: a function returning the tensors that are model state after the step (the parameters'
-        gradients), left out of a measured peak."""
+        trainer's, where a Budget made here allocates its arena; `keep`: a function returning the tensors that are
+        model state after the step (the parameters' gradients), left out of a measured peak."""
         if self._open is not None:
             raise RuntimeError("coop_arena: a trainer opened a step's block while the previous one was still open; "
                                "please report this (with the trainer and its version)")
         if kind == "eval" and self.evaluation == "outside":
             return
         stack = ExitStack()
-        if self._budget is None and kind == "train":
-            if self.fraction is None:
-                self._budget = Budget(self.nbytes, device=device, **self.options)
-            else:
-                self._measuring = (stack.enter_context(footprint.profiler(device or "cpu")), keep, device or "cpu")
-                self._open = stack
-                return
+        if self._budget is None and self.nbytes is not None:
+            self._budget = Budget(self.nbytes, device=device, **self.options)
+        if self._budget is None and kind == "train":  # a fraction: this step is measured
+            self._measuring = (stack.enter_context(footprint.profiler(device or "cpu")), keep, device or "cpu")
+            self._open = stack
+            return
         if self._budget is None:  # evaluation before the first training step measured the peak
             if not self._warned:
                 warnings.warn("coop_arena: evaluation before the first training step runs without a Budget: the "

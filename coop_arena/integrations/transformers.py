@@ -53,7 +53,7 @@ class BudgetMixin:
             return super().training_step(model, inputs, *args, **kwargs)
 
     def prediction_step(self, model, inputs, *args, **kwargs):
-        with self.step_budget.block("eval"):
+        with self.step_budget.block("eval", device=self.args.device):
             return super().prediction_step(model, inputs, *args, **kwargs)
 
 
