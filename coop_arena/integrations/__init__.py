@@ -93,7 +93,7 @@ class StepBudget:
     peak (fraction form), and `train` / `eval` the `Totals` of the training and evaluation blocks.
     """
 
-    def __init__(self, budget, *, evaluation: str = "outside", **budget_options):
+    def __init__(self, budget: int | float | Budget, *, evaluation: str = "outside", **budget_options):
         self._budget, self.nbytes, self.fraction = _check_budget(budget, budget_options)
         if evaluation not in EVALUATION:
             raise ValueError(f"evaluation={evaluation!r} is not one of {EVALUATION}: 'outside' runs evaluation "

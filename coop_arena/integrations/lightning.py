@@ -24,8 +24,8 @@ with them.
   see `coop_arena.integrations.StepBudget` for the rest.
 - An exception inside a block reaches `on_exception`, which ends the block with it (the Budget stays usable).
 
-Limits: `lightning.pytorch.Trainer` only (the `lightning` package; `pytorch_lightning.Trainer` has its own Callback
-class). Tested on the CPU with one process, 32-bit precision, one optimizer; not tested are DDP, FSDP and
+Limits: tested with `lightning.pytorch.Trainer` (the `lightning` package; `pytorch_lightning.Trainer`, whose
+Callback class is another, accepts the callback but is not tested). Tested on the CPU with one process, 32-bit precision, one optimizer; not tested are DDP, FSDP and
 DeepSpeed strategies, mixed precision, `torch.compile`d modules, several optimizers, and gradient clipping (which
 runs inside the block). docs/trainers.md lists them.
 """
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from lightning.pytorch import Callback
 
+from ..budget import Budget
 from . import StepBudget, gradients
 
 
@@ -50,7 +51,7 @@ class BudgetCallback(Callback):
     `step_budget` (a `StepBudget`) holds the Budget, the measured peak and the totals of the blocks.
     """
 
-    def __init__(self, budget, *, evaluation: str = "outside", budget_options: dict | None = None):
+    def __init__(self, budget: int | float | Budget, *, evaluation: str = "outside", budget_options: dict | None = None):
         self.step_budget = StepBudget(budget, evaluation=evaluation, **(budget_options or {}))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):

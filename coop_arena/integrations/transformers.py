@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import transformers
 
+from ..budget import Budget
 from . import StepBudget, gradients
 
 
@@ -44,7 +45,7 @@ class BudgetMixin:
     `step_budget` (a `StepBudget`) holds the Budget, the measured peak and the totals of the blocks.
     """
 
-    def __init__(self, *args, budget, evaluation: str = "outside", budget_options: dict | None = None, **kwargs):
+    def __init__(self, *args, budget: int | float | Budget, evaluation: str = "outside", budget_options: dict | None = None, **kwargs):
         self.step_budget = StepBudget(budget, evaluation=evaluation, **(budget_options or {}))  # validated first
         super().__init__(*args, **kwargs)
 
