@@ -105,6 +105,14 @@ def test_bad_evaluation_and_options_with_a_ready_budget():
         StepBudget(coop_arena.Budget(1 << 20, device="cpu"), policy="dtr")
 
 
+def test_evaluation_before_a_fraction_is_measured_runs_without_a_budget():
+    sb = StepBudget(0.5, evaluation="budget")
+    with pytest.warns(RuntimeWarning, match="evaluation before the first training step runs without a Budget"):
+        with sb.block("eval", device="cpu"):
+            torch.ones(4).sum()
+    assert sb.budget is None and sb.eval.blocks == 0
+
+
 def test_trainer_checks_its_budget_before_anything_else(tmp_path):
     from coop_arena.integrations.transformers import BudgetTrainer
 
@@ -142,7 +150,7 @@ class LayerMix(torch.nn.Module):
         return self.head(sum(hidden[1:], hidden[0]) / len(hidden))
 
 
-def lightning_module(manual: bool):
+def lightning_module(manual: bool, skip_batch=None):
     import lightning.pytorch as L
 
     class Classifier(L.LightningModule):
@@ -177,10 +185,13 @@ def lightning_module(manual: bool):
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
+        def on_train_batch_start(self, batch, batch_idx):
+            return -1 if batch_idx == skip_batch else None  # -1: Lightning skips the rest of the epoch
+
     return Classifier()
 
 
-def lightning_run(root, manual, callback=None, accumulate=1):
+def lightning_run(root, manual, callback=None, accumulate=1, skip_batch=None):
     """Three optimizer steps (batches of 256), validated every second batch, then tested: (module, metrics of the
     last training step, validation and test)."""
     import lightning.pytorch as L
@@ -189,7 +200,7 @@ def lightning_run(root, manual, callback=None, accumulate=1):
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(2048, 32, generator=g), torch.randint(0, 8, (2048,), generator=g))
     loader = torch.utils.data.DataLoader(data, batch_size=256)
-    module = lightning_module(manual)
+    module = lightning_module(manual, skip_batch)
     trainer = L.Trainer(
         max_steps=3, accumulate_grad_batches=accumulate, val_check_interval=2, limit_val_batches=2,
         limit_test_batches=2, num_sanity_val_steps=0, accelerator="cpu", devices=1, logger=False,
@@ -249,3 +260,19 @@ def test_lightning_step_that_does_not_fit_ends_its_block(tmp_path):
     with callback.step_budget.budget:
         y = torch.ones(8) * 2
     assert torch.equal(y, torch.full((8,), 2.0))
+
+
+def test_lightning_skipped_batch_ends_its_block(tmp_path):
+    """A batch skipped by on_train_batch_start returning -1 gets no on_train_batch_end: its block ends with the
+    epoch, and training goes on in the next epoch (one step per epoch here)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from coop_arena.integrations.lightning import BudgetCallback
+
+    callback = BudgetCallback(1_300_000, evaluation="budget")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the skipped batch's block runs no op
+        module, _ = lightning_run(tmp_path, False, callback, skip_batch=1)
+    assert _get_current_dispatch_mode() is None
+    assert module.trainer.global_step == 3 and module.trainer.current_epoch == 3
+    assert callback.step_budget.train.blocks == 5  # batches 0 and 1 of epochs 0 and 1, batch 0 of epoch 2

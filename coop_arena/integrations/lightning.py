@@ -23,6 +23,8 @@ with them.
   complete, before the optimizer's state exists), or to `on_train_batch_end` for a batch with no optimizer step;
   see `coop_arena.integrations.StepBudget` for the rest.
 - An exception inside a block reaches `on_exception`, which ends the block with it (the Budget stays usable).
+- A batch whose `on_train_batch_start` returns -1 (Lightning then skips the rest of the epoch) never reaches
+  `on_train_batch_end`: its block ends at `on_train_epoch_end`, or when an evaluation batch starts.
 
 Limits: tested with `lightning.pytorch.Trainer` (the `lightning` package; `pytorch_lightning.Trainer`, whose
 Callback class is another, accepts the callback but is not tested). Tested on the CPU with one process, 32-bit precision, one optimizer; not tested are DDP, FSDP and
@@ -64,7 +66,11 @@ class BudgetCallback(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.step_budget.end()
 
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.step_budget.end()  # a batch whose on_train_batch_start returned -1 gets no on_train_batch_end
+
     def _begin_eval(self, trainer, *args):
+        self.step_budget.end()  # (the same, should evaluation come first)
         self.step_budget.begin("eval", device=trainer.strategy.root_device)
 
     def _end_eval(self, *args):
