@@ -276,3 +276,16 @@ def test_lightning_skipped_batch_ends_its_block(tmp_path):
     assert _get_current_dispatch_mode() is None
     assert module.trainer.global_step == 3 and module.trainer.current_epoch == 3
     assert callback.step_budget.train.blocks == 5  # batches 0 and 1 of epochs 0 and 1, batch 0 of epoch 2
+
+
+def test_a_block_that_cannot_open_leaves_nothing_open():
+    """Budgets do not nest: a step's block entered inside another Budget's raises BudgetUsageError, and the
+    no_grad it entered first is left again."""
+    sb = StepBudget(coop_arena.Budget(1 << 20, device="cpu"), evaluation="budget")
+    outer = coop_arena.Budget(1 << 20, device="cpu")
+    with outer, pytest.raises(coop_arena.BudgetUsageError):
+        sb.begin("eval", device="cpu")
+    assert torch.is_grad_enabled()
+    with sb.block("eval", device="cpu"):
+        assert not torch.is_grad_enabled()
+    assert sb.eval.blocks == 1

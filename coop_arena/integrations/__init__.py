@@ -117,29 +117,31 @@ class StepBudget:
         """Open the block of one training step (kind "train") or evaluation batch ("eval"). `device`: the
         trainer's, where a Budget made here allocates its arena; `keep`: a function returning the tensors that are
         model state after the step (the parameters' gradients), left out of a measured peak."""
+        if kind not in ("train", "eval"):
+            raise ValueError(f"kind={kind!r}: a block is 'train' (a training step) or 'eval' (an evaluation batch)")
         if self._open is not None:
             raise RuntimeError("coop_arena: a trainer opened a step's block while the previous one was still open; "
                                "please report this (with the trainer and its version)")
         if kind == "eval" and self.evaluation == "outside":
             return
-        stack = ExitStack()
         if self._budget is None and self.nbytes is not None:
             self._budget = Budget(self.nbytes, device=device, **self.options)
-        if self._budget is None and kind == "train":  # a fraction: this step is measured
-            self._measuring = (stack.enter_context(footprint.profiler(device or "cpu")), keep, device or "cpu")
-            self._open = stack
-            return
-        if self._budget is None:  # evaluation before the first training step measured the peak
+        if self._budget is None and kind == "eval":  # evaluation before the first training step measured the peak
             if not self._warned:
                 warnings.warn("coop_arena: evaluation before the first training step runs without a Budget: the "
                               "budget is a fraction of the first training step's peak, not measured yet",
                               RuntimeWarning, stacklevel=3)
                 self._warned = True
             return
-        if kind == "eval":
-            stack.enter_context(torch.no_grad())
-        stack.enter_context(self._budget)
-        self._open, self._kind = stack, kind
+        with ExitStack() as stack:  # (what was entered is left again if a later enter raises)
+            if self._budget is None:  # a fraction: this training step is measured
+                device = device or "cpu"
+                self._measuring = (stack.enter_context(footprint.profiler(device)), keep, device)
+            else:
+                if kind == "eval":
+                    stack.enter_context(torch.no_grad())
+                stack.enter_context(self._budget)
+            self._open, self._kind = stack.pop_all(), None if self._measuring else kind
 
     def end_measurement(self) -> None:
         """End the first step's measurement if one is in progress, and make the Budget of the later steps."""
@@ -150,7 +152,10 @@ class StepBudget:
         self._open.close()
         self._open = None
         self.peak = footprint.of_profile(prof, keep=keep, device=device).excess
-        self._budget = Budget(max(1, int(self.fraction * self.peak)), device=device, **self.options)
+        if self.peak <= 0:
+            raise ValueError(f"budget={self.fraction!r} is a fraction of the first training step's peak, but the "
+                             f"profiler saw the step allocate nothing on {device}: give the budget in bytes")
+        self._budget = Budget(int(self.fraction * self.peak), device=device, **self.options)
 
     def end(self, exc: BaseException | None = None) -> None:
         """Close the block that `begin` opened (nothing if it opened none), with the exception that ended the step
