@@ -183,7 +183,9 @@ def lightning_module(manual: bool, skip_batch=None):
             self.log("test_loss", self.loss(batch))
 
         def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+            lr = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # stepped inside the block (automatic)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": lr, "interval": "step"}}
 
         def on_train_batch_start(self, batch, batch_idx):
             return -1 if batch_idx == skip_batch else None  # -1: Lightning skips the rest of the epoch
@@ -192,8 +194,8 @@ def lightning_module(manual: bool, skip_batch=None):
 
 
 def lightning_run(root, manual, callback=None, accumulate=1, skip_batch=None):
-    """Three optimizer steps (batches of 256), validated every second batch, then tested: (module, metrics of the
-    last training step, validation and test)."""
+    """Three optimizer steps (batches of 256; automatic optimization clips the gradients' norm), validated every
+    second batch, then tested: (module, metrics of the last training step, validation and test)."""
     import lightning.pytorch as L
 
     torch.manual_seed(0)
@@ -202,7 +204,7 @@ def lightning_run(root, manual, callback=None, accumulate=1, skip_batch=None):
     loader = torch.utils.data.DataLoader(data, batch_size=256)
     module = lightning_module(manual, skip_batch)
     trainer = L.Trainer(
-        max_steps=3, accumulate_grad_batches=accumulate, val_check_interval=2, limit_val_batches=2,
+        max_steps=3, accumulate_grad_batches=accumulate, gradient_clip_val=None if manual else 0.05, val_check_interval=2, limit_val_batches=2,
         limit_test_batches=2, num_sanity_val_steps=0, accelerator="cpu", devices=1, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
         callbacks=[callback] if callback is not None else [])  # (not deterministic=True: it sets process-wide

@@ -27,9 +27,10 @@ with them.
   `on_train_batch_end`: its block ends at `on_train_epoch_end`, or when an evaluation batch starts.
 
 Limits: tested with `lightning.pytorch.Trainer` (the `lightning` package; `pytorch_lightning.Trainer`, whose
-Callback class is another, accepts the callback but is not tested). Tested on the CPU with one process, 32-bit precision, one optimizer; not tested are DDP, FSDP and
-DeepSpeed strategies, mixed precision, `torch.compile`d modules, several optimizers, and gradient clipping (which
-runs inside the block). docs/trainers.md lists them.
+Callback class is another, accepts the callback but is not tested), on the CPU with one process, 32-bit precision
+and one optimizer (with gradient clipping and a per-batch learning-rate scheduler, both inside the block); not
+tested are DDP, FSDP and DeepSpeed strategies, mixed precision, `torch.compile`d modules and several optimizers.
+docs/trainers.md lists them.
 """
 
 from __future__ import annotations
