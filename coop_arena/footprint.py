@@ -95,17 +95,19 @@ def _storages(keep) -> set:
     return ptrs
 
 
-def measure(fn, *, keep=(), device="cpu") -> Footprint:
-    """Run `fn()` once under the profiler and return what it allocated on `device` (a Footprint).
-
-    keep: tensors, or a function returning tensors, whose memory is model state once `fn` has run (the parameters'
-    `.grad`, optimizer state): their allocations are not counted in `excess`. A function is called after `fn`."""
+def profiler(device="cpu"):
+    """A `torch.profiler.profile` set up as `measure` runs it (allocation events on `device`'s type), for a call
+    that is not one function (a trainer's hooks start and stop it): use it as a context manager, or `start()` and
+    `stop()` it, then read it with `of_profile`."""
     from torch.profiler import ProfilerActivity, profile
 
+    cuda = torch.device(device).type == "cuda"
+    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []), profile_memory=True)
+
+
+def of_profile(prof, *, keep=(), device="cpu") -> Footprint:
+    """What the calls `prof` (from `profiler`) ran allocated on `device`: a Footprint, `keep` as for `measure`."""
     device_type = torch.device(device).type
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device_type == "cuda" else [])
-    with profile(activities=activities, profile_memory=True) as prof:
-        fn()
     kept_ptrs = _storages(keep() if callable(keep) else keep)
     events = allocations(prof, device_type)
     # an allocation is kept if it is still alive at a kept address when the call ends
@@ -114,3 +116,13 @@ def measure(fn, *, keep=(), device="cpu") -> Footprint:
     return Footprint(peak=_peak(events), excess=_peak(events, kept_index),
                      kept=sum(events[i][3] for i in kept_index), allocations=len(allocated),
                      largest=max((n for i, n in allocated if i not in kept_index), default=0))
+
+
+def measure(fn, *, keep=(), device="cpu") -> Footprint:
+    """Run `fn()` once under the profiler and return what it allocated on `device` (a Footprint).
+
+    keep: tensors, or a function returning tensors, whose memory is model state once `fn` has run (the parameters'
+    `.grad`, optimizer state): their allocations are not counted in `excess`. A function is called after `fn`."""
+    with profiler(device) as prof:
+        fn()
+    return of_profile(prof, keep=keep, device=device)
