@@ -379,6 +379,10 @@ class Budget:
                              f"to nbytes - alignment = {nbytes - alignment}, got {headroom!r}: the bytes of nbytes "
                              f"kept outside the arena for temporaries (Note [Headroom])")
         check_backend(backend)
+        other = getattr(_active, "budget", None)
+        if other is not None:  # its arena would be made by an op of that block, as one of its tensors
+            raise BudgetUsageError(f"a Budget cannot be made inside the block of {other!r} (Budgets do not nest): "
+                                   f"make it before entering that block or after leaving it")
         self.nbytes = nbytes
         self.backend = backend
         self._learns = headroom is None  # Note [Headroom]

@@ -122,6 +122,17 @@ def test_nested_budget_is_refused_and_outer_stays_usable():
     assert torch.equal(z.as_plain(), x + 1)
 
 
+def test_a_budget_made_inside_a_block_is_refused_and_the_block_goes_on():
+    outer = coop_arena.Budget(1 << 20, device="cpu")
+    x = torch.randn(8, 8)
+    with outer:
+        with pytest.raises(coop_arena.BudgetUsageError, match="cannot be made inside the block of Budget"):
+            coop_arena.Budget(1 << 20, device="cpu")
+        y = (x * 2).sum()
+    assert y.item() == (x * 2).sum().item()
+    assert coop_arena.Budget(1 << 20, device="cpu").nbytes == 1 << 20  # after the block, it can
+
+
 def test_inplace_view_ops_change_the_wrapper_and_survive_eviction():
     x = torch.randn(4, 6)
     budget = coop_arena.Budget(1 << 20, device="cpu")
