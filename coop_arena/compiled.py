@@ -121,7 +121,7 @@ def move_search(offsets, sizes, owners, kind, h, move, need, plain_cost):
     hole_size = np.empty(n, np.int64)
     spare = np.empty(n, np.bool_)
     while True:
-        lo, r, cost = window(offsets, sizes, kind, h2.copy(), need)
+        lo, r, cost = window(offsets, sizes, kind, h2, need)  # (it zeroes BLOCKED blocks, which h2 never prices)
         if r < 0 or cost >= plain_cost:
             return lo, r, cost, moved, at, made, -1, cand
         start, end = offsets[lo], offsets[r] + sizes[r]

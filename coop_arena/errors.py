@@ -169,7 +169,6 @@ def _internal_assert(cond: bool, msg: str) -> None:
         raise InternalError(f"{msg}. This is a bug in coop_arena; please report it with the code that triggered it.")
 
 
-
 def _internal_files() -> tuple[str, ...]:
     """Path prefixes of the code a warning is not reported in: coop_arena's, torch's and contextlib's."""
     import contextlib

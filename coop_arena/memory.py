@@ -662,7 +662,7 @@ class Memory:
             fits = fits[sizes[fits] == sizes[fits].min()]
             return int(fits[h[fits].argmin()])  # argmin: the first of equal prices
         while True:  # each rerun prices one more block at its eviction: at most one per candidate
-            plan = _policy.coop_window(self.table.offsets, self.table.sizes, kind, h2.copy(), need)
+            plan = _policy.coop_window(self.table.offsets, self.table.sizes, kind, h2, need)  # (zeroes BLOCKED)
             if plan is None or plan.cost >= plain.cost:
                 return None, []
             moves, stuck = self._copies(plan, cand, kind, smallest_cheaper)

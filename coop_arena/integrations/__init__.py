@@ -26,7 +26,6 @@ Limitations: the first step is the one measured: a later step with larger shapes
 from __future__ import annotations
 
 import numbers
-import warnings
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
@@ -34,6 +33,7 @@ import torch
 
 from .. import footprint
 from ..budget import Budget
+from ..errors import warn
 
 EVALUATION = ("outside", "budget")
 
@@ -128,9 +128,8 @@ class StepBudget:
             self._budget = Budget(self.nbytes, device=device, **self.options)
         if self._budget is None and kind == "eval":  # evaluation before the first training step measured the peak
             if not self._warned:
-                warnings.warn("coop_arena: evaluation before the first training step runs without a Budget: the "
-                              "budget is a fraction of the first training step's peak, not measured yet",
-                              RuntimeWarning, stacklevel=3)
+                warn("coop_arena: evaluation before the first training step runs without a Budget: the budget is a "
+                     "fraction of the first training step's peak, not measured yet", RuntimeWarning)
                 self._warned = True
             return
         with ExitStack() as stack:  # (what was entered is left again if a later enter raises)
