@@ -17,10 +17,15 @@ Approach:
     kernels: add, mm, addmm, native_batch_norm, ...), or it is composite and a probe on `meta` shows that it
     calls no op that allocates a fresh tensor (zeros.out, stack.out). The runtime then places the outputs first,
     with exactly the strides the functional op would give them, and runs the out= variant on arena views.
-  - An op with no kernel of its own for the device but a composite one (mul.Scalar, clone, masked_fill,
-    embedding, zeros_like, _to_copy), no FLOP formula and no randomness runs as the ops its composite kernel
-    calls, each through the runtime (`decomposes`): the same kernels compute the same bits, and the parts take
-    direct placement where they can.
+  - An op with no kernel of its own for the device but a composite one (masked_fill, embedding, _to_copy,
+    _safe_softmax), no FLOP formula and no randomness runs as the ops its composite kernel calls, each through
+    the runtime (`decomposes`): the same kernels compute the same bits, and the parts take direct placement where
+    they can. A few that models call often have an out= variant written here instead (`_OUT_BY_HAND`), which
+    runs their composite kernel's own last op into the arena view, so that they take one pass through the
+    runtime, not two or three: clone (empty_like, then copy_: `out.copy_(self)`), mul.Scalar (mul.Tensor with
+    the scalar wrapped: `mul.out`, whose Python binding wraps it the same way), zeros and zeros_like (empty,
+    then zero_), ones and ones_like (empty, then fill_(1)). Their first calls are checked against the
+    functional op like any out= variant's (below).
   - Otherwise (no out= variant, or one that computes into a temporary and copies: convolution, layer norm,
     dropout, embedding_dense_backward) the op runs into temporaries that are copied in and counted
     (stats.temporary_bytes, temporary_peak).
@@ -148,6 +153,27 @@ class OpPlan:
 
 _OUT_NEEDS_CONTIGUOUS = {torch.ops.aten.native_batch_norm.default,  # see Note [Direct placement]
                          torch.ops.aten._native_batch_norm_legit.no_stats}  # (the same CPU out= kernel)
+def _clone_into(self, *, memory_format=None, out):
+    return out.copy_(self)  # clone's composite kernel: empty_like(self, memory_format), then copy_
+
+
+def _mul_scalar_into(self, other, *, out):
+    return torch.mul(self, other, out=out)  # mul.Scalar's composite kernel: mul.Tensor with `other` wrapped
+
+
+def _zeros_into(*args, out, **kwargs):
+    return out.zero_()  # zeros' and zeros_like's composite kernels: empty (laid out as planned), then zero_
+
+
+def _ones_into(*args, out, **kwargs):
+    return out.fill_(1)  # ones' and ones_like's composite kernels: empty (laid out as planned), then fill_(1)
+
+
+# out= variants written here for composite ops whose own out= variant allocates, or that have none that takes all
+# of their arguments (Note [Direct placement])
+_OUT_BY_HAND = {torch.ops.aten.clone.default: _clone_into, torch.ops.aten.mul.Scalar: _mul_scalar_into,
+                torch.ops.aten.zeros.default: _zeros_into, torch.ops.aten.zeros_like.default: _zeros_into,
+                torch.ops.aten.ones.default: _ones_into, torch.ops.aten.ones_like.default: _ones_into}
 _OUT_WRONG = {torch.ops.aten.linalg_qr.default}  # out= kernels that write wrong values into an arena view (ibid.)
 # out= kernels known to resize a reduced loss's `out` on the way (ibid.): found on the first call too, but PyTorch
 # warns the user that resizing a non-empty `out` is deprecated before the engine can fall back
@@ -426,6 +452,8 @@ def _make_plan(func, op, leaves, spec, device_type) -> OpPlan | None:
             mouts = {n: torch.empty_strided(s.size, s.stride, dtype=s.dtype, device="meta") for n, s in zip(names, specs)}
             if writes_in_place(candidate, device_type, margs, {**mkwargs, **mouts}):
                 out_op = candidate
+        if out_op is None and func in _OUT_BY_HAND and len(specs) == 1 and specs[0] is not None:
+            out_op, names = _OUT_BY_HAND[func], ("out",)
     parts = (out_op is None and not aliases and not partly and not op.uninitialized
              and decomposes(func, op, device_type)
              and _parts_make_outputs(func, device_type, margs, mkwargs))

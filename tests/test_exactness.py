@@ -226,7 +226,7 @@ def test_a_channels_last_cnn_plans_alike_on_cpu_and_meta(policy):
 
     cpu, meta = _cpu_and_meta(step, policy=policy)
     assert cpu[0]["evictions"] > 0 and cpu[0]["rematerializations"] > 0
-    assert cpu[0]["ops"] == 47
+    assert cpu[0]["ops"] == 46  # (47 before ones_like, the seed of backward, ran as one op: placement.py)
     assert cpu == meta
 
 

@@ -57,6 +57,50 @@ def test_composite_aten_ops_run_as_their_parts_but_custom_ops_stay_whole():
     assert not placement.decomposes(f, info(f), "cpu")
 
 
+def test_composite_ops_with_out_variants_written_for_them_write_straight_into_the_arena_and_stay_exact(monkeypatch):
+    """clone (a transpose made contiguous, a plain clone), mul.Scalar, zeros, zeros_like, ones and ones_like take
+    the out= variants written for them (Note [Direct placement]): one op each through the runtime instead of their
+    composite kernels' parts, with the same bits under a budget that evicts and recomputes them; without those
+    variants, the same step runs more ops (the parts), to the same bits."""
+    torch.manual_seed(0)
+    ws = [torch.randn(64, 64, requires_grad=True) for _ in range(12)]
+    x = torch.randn(64, 64)
+
+    def step():
+        h = x
+        for w in ws:
+            h = torch.ops.aten.mul.Scalar((h @ w).t().contiguous(), 0.5)  # (as composite kernels call it)
+            h = h.t().clone().tanh() + torch.ones_like(h) - torch.zeros(64, 64)
+            h = h * torch.ones(64, 1) + torch.zeros_like(h)
+        h.sum().backward()
+        grads = [w.grad for w in ws]
+        for w in ws:
+            w.grad = None
+        return grads
+
+    want = step()
+    ops = []
+    for by_hand in (True, False):
+        monkeypatch.setattr(placement, "_PLANS", {})  # plans made with or without the variants
+        if not by_hand:
+            monkeypatch.setattr(placement, "_OUT_BY_HAND", {})
+        ample = coop_arena.Budget(1 << 30, device="cpu", headroom=0)
+        with ample:
+            step()
+        budget = coop_arena.Budget(int(0.4 * ample.stats.peak_bytes), device="cpu", headroom=0)
+        with budget:
+            got = step()
+        st = budget.stats
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        assert st.evictions > 0 and st.rematerializations > 0 and st.temporary_bytes == 0
+        ops.append(ample.stats.ops)
+        if by_hand:  # each took its variant, and its first call gave the functional op's bits
+            took = {key[0] for key, plan in placement._PLANS.items() if isinstance(plan, placement.OpPlan)
+                    and plan.out_op is placement._OUT_BY_HAND.get(key[0]) and plan.checked == [True]}
+            assert took == set(placement._OUT_BY_HAND), took
+    assert ops[0] < ops[1], ops
+
+
 # ---------------------------------------------------------------------------------------------------- views
 def test_ops_returning_views_of_their_input_stay_views():
     x = torch.randn(6, 8)

@@ -57,9 +57,10 @@ def narrow_calls(monkeypatch):
 
 
 # (policy, shape, percents of the peak): each fits only through the fallback (the joint plans fail at all of
-# them). With the weight gradients outside the arena coop needs it on SHAPE at no budget, and on SHORT at these
-# two only (56 and 57 % fail, 59 % fits without it).
-CASES = [("coop", SHORT, (58, 55)), ("dtr", SHAPE, range(68, 59, -1))]
+# them), found by a scan of whole percents. Coop needs it on SHORT at 54 % only (55 % and above fit without it,
+# 53 % and below do not fit); dtr on SHORT from 69 % to 66 % and at 63 and 62 %. At 54 % for coop and 69 % for
+# dtr an input's own plan's pins do not fit either, and it is rebuilt narrowly.
+CASES = [("coop", SHORT, (54,)), ("dtr", SHORT, (69, 66))]
 
 
 @pytest.mark.parametrize("policy,shape,percents", CASES, ids=[c[0] for c in CASES])
@@ -180,7 +181,7 @@ def test_plan_marks_a_budget_that_fits_only_through_the_fallback():
     from rich.console import Console
     from coop_arena.plan import plan
     out = io.StringIO()
-    result = plan("test_restores:attention_model", 8, "0.6", Console(file=out, width=150))
+    result = plan("test_restores:attention_model", 8, "0.65", Console(file=out, width=150))
     dtr = result["policies"]["dtr"]  # (coop fits this shape without the fallback at every budget)
     assert dtr["fits"] and dtr["restores_in_turn"] >= 1 and dtr["evictions"] > 0
     assert "yes*" in out.getvalue() and "restored one at a time" in out.getvalue()
@@ -239,7 +240,7 @@ def test_a_narrow_rebuild_takes_the_deepest_input_first_when_neither_age_order_f
         assert st.dropped == 0 and st.restores_in_turn >= 1 and st.evictions > 0, percent
 
 
-@pytest.mark.parametrize("policy,percent", [("coop", 62), ("dtr", 72)])
+@pytest.mark.parametrize("policy,percent", [("coop", 62), ("dtr", 74)])
 def test_restores_serving_one_op_do_not_evict_what_they_restored(plain_and_peak, monkeypatch, policy, percent):
     """Rule 9, the restore cascade it ended: before restore plans, Swin-T at 45 % of its peak spent 7.5x its ops,
     and 5,978 of its 6,072 evictions were of storages that the same op had just restored. Here, at budgets where
