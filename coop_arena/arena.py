@@ -36,15 +36,23 @@ Note [Streams]
 Note [Overlapping moves]
   Rationale: a relocation or a compaction slides a block by less than its size (a 64 MiB logits block moved by a
     few KiB). Through a temporary of the block's size, the move alone put a block-sized allocation outside the
-    arena, over the cap a user measures.
-  Approach: on the CPU (`_move_torch`) the move goes chunk by chunk, from the low end when moving down and from the
-    high end when moving up, so that a chunk's destination only overwrites bytes already read. Chunks as long as
-    the distance moved copy directly; a shorter distance goes through one bounce buffer of 1/256 of the arena (at
-    least 64 KiB). On CUDA the Triton `arena_move` kernel is overlap-safe by itself and allocates nothing.
-  Limitations: a move by a short distance costs one extra copy of its bytes through the bounce buffer.
+    arena, over the cap a user measures; through a bounce buffer of 1/256 of the arena (at least 64 KiB), a small
+    arena's moves still did (a GRU's 490 KiB arena at half its peak: 64 KiB outside it, which the headroom then
+    took from the arena, and the next block no longer fitted).
+  Approach: on the CPU (`_move_torch`) the move is one `memmove` of the buffer's bytes (ctypes), which copies
+    overlapping ranges correctly and allocates nothing. On CUDA the Triton `arena_move` kernel is overlap-safe by
+    itself and allocates nothing. Without it (no Triton on a CUDA machine, `copy_kernel=False`) the move goes
+    chunk by chunk with `copy_` (`_move_chunked`), from the low end when moving down and from the high end when
+    moving up, so that a chunk's destination only overwrites bytes already read: chunks as long as the distance
+    moved copy directly, a shorter distance goes through one bounce buffer of 1/256 of the arena (at least
+    64 KiB).
+  Limitations: on CUDA without the Triton kernel, a move by a short distance allocates that bounce buffer outside
+    the arena and copies its bytes twice.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 
@@ -52,7 +60,7 @@ from .errors import BudgetUsageError, _internal_assert, warn
 
 DEVICES = ("cpu", "cuda", "meta")
 SHARED_MAX = 1 << 14  # Arena.shared views kept (a step's outputs at their offsets); it starts over when full
-BOUNCE_MIN = 1 << 16  # the smallest bounce buffer of an overlapping move on the CPU (Note [Overlapping moves])
+BOUNCE_MIN = 1 << 16  # the smallest bounce buffer of a chunked overlapping move (Note [Overlapping moves])
 BACKENDS = ("torch", "cupy")  # who allocates the buffer (cupy: CuPy, shared with torch through DLPack)
 
 
@@ -228,6 +236,15 @@ class Arena:
         return mover
 
     def _move_torch(self, src: int, dst: int, nbytes: int) -> None:
+        """A move without the Triton kernel (Note [Overlapping moves]): on the CPU one memmove, which allocates
+        nothing; elsewhere `_move_chunked`."""
+        if self.device.type == "cpu":
+            base = self.buffer.data_ptr()
+            ctypes.memmove(base + dst, base + src, nbytes)
+        else:
+            self._move_chunked(src, dst, nbytes)
+
+    def _move_chunked(self, src: int, dst: int, nbytes: int) -> None:
         """`copy_` in chunks (Note [Overlapping moves]): a chunk no longer than the distance moved is copied
         directly, since its destination overlaps no byte still to be read; a short move goes through one bounce
         buffer of at most `_bounce_bytes`, outside the arena, so no move allocates as much as the block it moves."""

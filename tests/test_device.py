@@ -201,14 +201,32 @@ def test_move_on_cpu_is_a_memmove(copy_kernel):
 
 
 @pytest.mark.parametrize("bounce", [16, 256, 1 << 16])
-def test_move_on_cpu_in_chunks_is_a_memmove(monkeypatch, bounce):
-    # chunks through a small bounce buffer (moves by less than it), direct chunks (moves by more), one whole chunk
+def test_a_move_in_chunks_is_a_memmove(monkeypatch, bounce):
+    # the path of a CUDA arena without the Triton kernel, run on the CPU: chunks through a small bounce buffer
+    # (moves by less than it), direct chunks (moves by more), one whole chunk
     monkeypatch.setattr(arena_mod, "BOUNCE_MIN", bounce)
-    _check_moves(Arena(8192, torch.device("cpu"), 8192, copy_kernel=False))
+    arena = Arena(8192, torch.device("cpu"), 8192, copy_kernel=False)
+    arena._move = Arena._move_chunked
+    _check_moves(arena)
 
 
-def test_overlapping_move_allocates_only_its_bounce_buffer():
+def test_an_overlapping_move_on_the_cpu_allocates_nothing():
+    """A block slid by a few KiB is moved by one memmove: nothing outside the arena, whatever its size (Note
+    [Overlapping moves])."""
     arena = Arena(64 << 20, torch.device("cpu"), 64 << 20, copy_kernel=False)
+    arena.buffer[: 8 << 20].copy_(torch.randint(0, 256, (8 << 20,), dtype=torch.uint8))
+    expected = _memmove(arena.buffer, 0, 4096, 32 << 20)
+    fp = footprint.measure(lambda: arena.move(0, 4096, 32 << 20))
+    assert torch.equal(arena.buffer, expected)
+    assert fp.peak == 0 and fp.allocations == 0
+    expected = _memmove(arena.buffer, 4096 + 512, 4096, 32 << 20)  # down, by less than a bounce buffer
+    fp = footprint.measure(lambda: arena.move(4096 + 512, 4096, 32 << 20))
+    assert torch.equal(arena.buffer, expected) and fp.peak == 0
+
+
+def test_an_overlapping_move_in_chunks_allocates_only_its_bounce_buffer():
+    arena = Arena(64 << 20, torch.device("cpu"), 64 << 20, copy_kernel=False)
+    arena._move = Arena._move_chunked  # (the path of a CUDA arena without the Triton kernel)
     arena.buffer[: 8 << 20].copy_(torch.randint(0, 256, (8 << 20,), dtype=torch.uint8))
     expected = _memmove(arena.buffer, 0, 4096, 32 << 20)
     fp = footprint.measure(lambda: arena.move(0, 4096, 32 << 20))
