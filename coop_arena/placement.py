@@ -153,6 +153,8 @@ class OpPlan:
 
 _OUT_NEEDS_CONTIGUOUS = {torch.ops.aten.native_batch_norm.default,  # see Note [Direct placement]
                          torch.ops.aten._native_batch_norm_legit.no_stats}  # (the same CPU out= kernel)
+
+
 def _clone_into(self, *, memory_format=None, out):
     return out.copy_(self)  # clone's composite kernel: empty_like(self, memory_format), then copy_
 
@@ -174,6 +176,7 @@ def _ones_into(*args, out, **kwargs):
 _OUT_BY_HAND = {torch.ops.aten.clone.default: _clone_into, torch.ops.aten.mul.Scalar: _mul_scalar_into,
                 torch.ops.aten.zeros.default: _zeros_into, torch.ops.aten.zeros_like.default: _zeros_into,
                 torch.ops.aten.ones.default: _ones_into, torch.ops.aten.ones_like.default: _ones_into}
+
 _OUT_WRONG = {torch.ops.aten.linalg_qr.default}  # out= kernels that write wrong values into an arena view (ibid.)
 # out= kernels known to resize a reduced loss's `out` on the way (ibid.): found on the first call too, but PyTorch
 # warns the user that resizing a non-empty `out` is deprecated before the engine can fall back
