@@ -14,8 +14,8 @@ them, inclusive (the function and what it calls) and self (the function's own li
     .venv/bin/python bench/host_profile.py lines gpt2_layout ample 3 > bench/results/host_lines_gpt2_layout.txt
 
 `lines` times every line of the per-op path's main functions (LINES) over that many later blocks, with their hit
-counts: where the time of one op goes, line by line (deterministic, and slower than the sampling profile by
-about 1.5x, so read the shares, not the absolute times).
+counts: where the time of one op goes, line by line (deterministic, but line timing slows the path about 2x,
+so read the shares, not the absolute times).
 """
 
 from __future__ import annotations
