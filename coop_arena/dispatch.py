@@ -702,7 +702,8 @@ class Dispatch:
         the values the op leaves). The first call of a configuration, whose writes are not known yet, probes them
         instead (Note [Probing for hidden writes]): returns the probe, for `_after_probe`."""
         if written is None:
-            return _probe(externals)
+            with headroom.one_time():  # (its host copies: once per configuration, Note [Headroom])
+                return _probe(externals)
         self.runtime.settle([t for pos, t in externals if pos in written])
         return None
 
@@ -878,6 +879,9 @@ class Dispatch:
         rng = capture_rng(self.device, call.op, call.pargs, call.pkwargs)
         if plain_outputs or (leaf_gradients and _feeds_leaves()):
             with headroom.model_state():  # a leaf's gradient is model state: Note [Headroom]
+                out = self._call_op(call)
+        elif direct:  # a configuration's first call, placed directly from the next on: its temporaries are one-time
+            with headroom.one_time():
                 out = self._call_op(call)
         else:
             out = self._call_op(call)

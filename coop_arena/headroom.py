@@ -16,12 +16,16 @@ Approach:
     temporary, and is left out; so are the gradients of leaves copied out of the arena (inside a `MODEL_STATE`
     range: `model_state()`), even when the block itself frees them (`p.grad = None` after an update in it).
     The headroom becomes that peak (rounded up to the alignment), and when that changes it the arena is made
-    again at `nbytes - headroom` before the next block (it is empty between blocks), which is observed too. The
-    first block also runs one-time work outside the arena (the probes of new op configurations, layouts learned
-    through temporaries: dispatch.py), so the second observed block may lower the headroom again (the functional
-  op a configuration's first out= run is compared with, a whole output outside the arena, runs in a ONE_TIME
-  range that the observer leaves out: a 64 MiB log-softmax compared in the first block set a headroom that
-  kept a GPT's later steps from fitting at 0.55 of its footprint); from the third
+    again at `nbytes - headroom` before the next block (it is empty between blocks), which is observed too.
+  - A configuration's first call does work outside the arena that its later calls do not (dispatch.py): the
+    functional op its first out= run is compared with (a whole output), the host copies of what it reads from
+    outside the arena (the probe for hidden writes), and, for one placed directly from its next call on (a new
+    shape sized by the device, a layout learned), its output computed into a temporary. Each runs in a ONE_TIME
+    range (`one_time()`) that the observer leaves out: a 64 MiB log-softmax compared in the first block set a
+    headroom that kept a GPT's later steps from fitting at 0.55 of its footprint; the probes' copies of an
+    encoder's weights (1 MiB of a 4.4 MiB budget) set one that left a shared encoder's second block no room
+    (tests/test_leaf_gradients.py). What a first block still does once and
+    outside these ranges, the second observed block may lower the headroom from again; from the third
     on it only grows, so the learning ends. A block whose peak leaves the headroom as it is ends it: later
     blocks run unobserved, at no cost, until a block plans an op configuration it had not met (new shapes),
     whose successor is observed. Each change of the arena's size restarts step replay (Note [Step replay]).
