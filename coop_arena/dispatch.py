@@ -120,13 +120,23 @@ def _refuse_storage_offset(func, args, kwargs) -> None:
 #   arena and seen by the footprint's headroom (a temporary there), not counted in the arena. A gradient an op
 #   computes from the leaf itself (`w * w`) goes in the arena and is copied out, as before. A leaf that
 #   already has a gradient accumulates into it: the new one is a temporary of the step and goes in the arena.
-#   A leaf that receives several gradients in one backward (a weight tied to two uses) sums them before it
-#   accumulates: none becomes `.grad`, so they go in the arena. Such a leaf is found by a walk of the graph below
-#   the node that first meets it (`_uses_below`), once per leaf, so that every step decides the same (step
-#   replay). Where the other use is not below that node (two branches of the loss) it is not found: its
-#   gradients are made outside and summed there, correct, but temporaries outside the arena that the headroom's
-#   observer does not see (below). (Catching it at the second gradient made the second step decide otherwise
-#   than the first, which step replay does not allow.)
+#   A leaf that receives several gradients in one backward (a weight tied to two uses, an encoder applied to two
+#   inputs) sums them before it accumulates: none of them becomes `.grad` as it is, so they go in the arena, and
+#   so does their sum (copied out as `.grad`). Such a leaf is found the first time a backward meets it, once per
+#   leaf, so that every step decides the same (step replay), by counting the edges into its AccumulateGrad:
+#   from the roots the backward was seeded for, where it was (`loss.backward()` makes its implicit gradient with
+#   `ones_like(loss)`, which records `loss.grad_fn`: `_seeds`; the graph below them is walked once per backward
+#   that meets a new leaf, `_uses_below_roots`), else below the node that first meets it (`_uses_below`).
+#   Walked from that node alone, the second use of a shared encoder (the other branch of the loss, not below
+#   it) was not found: its gradients were made outside the arena and summed there, uncounted, and the step's
+#   footprint was 1.6-1.8x its budget. (Catching it at the second gradient made the second step decide
+#   otherwise than the first, which step replay does not allow.)
+#   What it misses: a backward given its gradient explicitly (`y.backward(dy)`, `autograd.grad(y, x, dy)`) has no
+#   seed: a second use not below the node that first meets the leaf is then not found, as above (correct, but
+#   temporaries outside the arena that the headroom's observer does not see). A `ones_like` of a scalar that is
+#   not a backward's seed is taken for one: a leaf used once in the backward but also in that scalar's graph is
+#   then taken to sum gradients, and its gradient goes through the arena and is copied out (correct, at the
+#   cost of that copy).
 #   The op runs inside `headroom.model_state()`, so that the headroom's observer leaves the gradient out even
 #   when the block frees it (`p.grad = None` after an update in it), as it leaves out a gradient copied out of
 #   the arena; the op's other outputs (convolution's input gradient), temporaries copied into the arena, are
@@ -164,6 +174,29 @@ def _uses_below(node, v) -> int:
             seen.add(id(f))
             stack.append(f)
     return uses
+
+
+def _uses_below_roots(roots) -> dict:
+    """id(leaf) -> how many edges of the autograd graph below `roots` (themselves included) lead into that leaf's
+    AccumulateGrad."""
+    seen, stack, uses = {id(r) for r in roots}, list(roots), {}
+    while stack:
+        for f, _ in stack.pop().next_functions:
+            if f is None:
+                continue
+            if f.name() == _ACCUMULATE:
+                var = getattr(f, "variable", None)
+                if var is not None:
+                    uses[id(var)] = uses.get(id(var), 0) + 1
+                continue
+            if id(f) not in seen:
+                seen.add(id(f))
+                stack.append(f)
+    return uses
+
+
+def _in_backward() -> bool:
+    return torch._C._current_autograd_node() is not None
 
 
 def _feeds_leaves() -> bool:
@@ -229,6 +262,7 @@ def _drew(call: _Call, rng) -> object:
 
 
 _RRELU = torch.ops.aten.rrelu_with_noise.default
+_ONES_LIKE = aten.ones_like.default
 _LIFT_FRESH, _AS_STRIDED, _DETACH, _COPY = (aten.lift_fresh.default, aten.as_strided.default, aten.detach.default,
                                            aten.copy_.default)
 
@@ -384,6 +418,8 @@ class Dispatch:
         self._ext_readers: dict[int, list] = {}     # external storage key -> weakrefs of storages reading it
         self._ext_refs = self._ext_kept = 0          # weakrefs in _ext_readers now / after the last prune
         self._claimed = (None, set())                # (autograd node, ids of the leaves it already gave a gradient)
+        self._seeds: list = []                       # grad_fns of the outputs a backward was seeded for, then
+        self._task = (None, {})                      # (its graph task, id(leaf) -> edges into the leaf below them)
 
     # ============================================================================================ dispatch
     def run(self, func, args, kwargs):
@@ -394,6 +430,8 @@ class Dispatch:
             func, args, kwargs = _rrelu_in_eval(args, kwargs)
         elif func in _OFFSET_IN_STORAGE and isinstance(args[0], Tensor):
             _refuse_storage_offset(func, args, kwargs)
+        elif func is _ONES_LIKE and args[0].numel() == 1 and args[0].grad_fn is not None and not _in_backward():
+            self._seeds.append(args[0].grad_fn)  # autograd.backward's implicit gradient (Note [Gradients of leaves])
         elif (func is _LIFT_FRESH and not isinstance(args[0], Tensor) and args[0].device == self.device
               and not (self.bookkeeping is not None and self.bookkeeping.active())):  # (an optimizer's state: not)
             return self._lifted(args[0])
@@ -596,8 +634,19 @@ class Dispatch:
             if len(_SHARED) > 4096:  # (leaves gone since)
                 for k in [k for k, w in _SHARED.items() if w[0]() is None]:
                     del _SHARED[k]
-            r = _SHARED[id(v)] = (weakref.ref(v), _uses_below(node, v) > 1)
+            r = _SHARED[id(v)] = (weakref.ref(v), self._uses(node, v) > 1)
         return r[1]
+
+    def _uses(self, node, v) -> int:
+        """How many edges of this backward's graph lead into the leaf `v`'s AccumulateGrad: counted from the roots
+        the backward was seeded for (`_seeds`, once per graph task), or, where there are none (a backward given
+        its gradient explicitly) or `v` is not below them, from `node` down (Note [Gradients of leaves])."""
+        task = torch._C._current_graph_task_id()
+        if self._seeds and self._task[0] != task:
+            self._task = (task, _uses_below_roots(self._seeds))
+            self._seeds = []
+        uses = self._task[1].get(id(v), 0) if self._task[0] == task else 0
+        return uses or _uses_below(node, v)
 
     def _lifted(self, t: torch.Tensor):
         """`torch.tensor(data)`, `as_tensor(list)`, `t.new_tensor(data)` in the block: PyTorch makes the tensor from
