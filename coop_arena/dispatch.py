@@ -125,8 +125,9 @@ def _refuse_storage_offset(func, args, kwargs) -> None:
 #   so does their sum (copied out as `.grad`). Such a leaf is found the first time a backward meets it, once per
 #   leaf, so that every step decides the same (step replay), by counting the edges into its AccumulateGrad:
 #   from the roots the backward was seeded for, where it was (`loss.backward()` makes its implicit gradient with
-#   `ones_like(loss)`, which records `loss.grad_fn`: `_seeds`; the graph below them is walked once per backward
-#   that meets a new leaf, `_uses_below_roots`), else below the node that first meets it (`_uses_below`).
+#   `ones_like(loss)`, which records `loss` by a weak reference: `_seeds`, so that a block running many steps
+#   keeps no step's graph alive through them; the graph below their `grad_fn`s is walked once per backward that
+#   meets a new leaf, `_uses_below_roots`), else below the node that first meets it (`_uses_below`).
 #   Walked from that node alone, the second use of a shared encoder (the other branch of the loss, not below
 #   it) was not found: its gradients were made outside the arena and summed there, uncounted, and the step's
 #   footprint was 1.6-1.8x its budget. (Catching it at the second gradient made the second step decide
@@ -418,7 +419,7 @@ class Dispatch:
         self._ext_readers: dict[int, list] = {}     # external storage key -> weakrefs of storages reading it
         self._ext_refs = self._ext_kept = 0          # weakrefs in _ext_readers now / after the last prune
         self._claimed = (None, set())                # (autograd node, ids of the leaves it already gave a gradient)
-        self._seeds: list = []                       # grad_fns of the outputs a backward was seeded for, then
+        self._seeds: list = []                       # weakrefs of the outputs a backward was seeded for, then
         self._task = (None, {})                      # (its graph task, id(leaf) -> edges into the leaf below them)
 
     # ============================================================================================ dispatch
@@ -431,7 +432,7 @@ class Dispatch:
         elif func in _OFFSET_IN_STORAGE and isinstance(args[0], Tensor):
             _refuse_storage_offset(func, args, kwargs)
         elif func is _ONES_LIKE and args[0].numel() == 1 and args[0].grad_fn is not None and not _in_backward():
-            self._seeds.append(args[0].grad_fn)  # autograd.backward's implicit gradient (Note [Gradients of leaves])
+            self._seed(args[0])  # autograd.backward's implicit gradient (Note [Gradients of leaves])
         elif (func is _LIFT_FRESH and not isinstance(args[0], Tensor) and args[0].device == self.device
               and not (self.bookkeeping is not None and self.bookkeeping.active())):  # (an optimizer's state: not)
             return self._lifted(args[0])
@@ -637,13 +638,19 @@ class Dispatch:
             r = _SHARED[id(v)] = (weakref.ref(v), self._uses(node, v) > 1)
         return r[1]
 
+    def _seed(self, output) -> None:
+        """Record an output a backward is about to be seeded for; those whose step is over (dead) are dropped."""
+        self._seeds = [w for w in self._seeds if w() is not None]
+        self._seeds.append(weakref.ref(output))
+
     def _uses(self, node, v) -> int:
         """How many edges of this backward's graph lead into the leaf `v`'s AccumulateGrad: counted from the roots
         the backward was seeded for (`_seeds`, once per graph task), or, where there are none (a backward given
         its gradient explicitly) or `v` is not below them, from `node` down (Note [Gradients of leaves])."""
         task = torch._C._current_graph_task_id()
         if self._seeds and self._task[0] != task:
-            self._task = (task, _uses_below_roots(self._seeds))
+            roots = [r.grad_fn for r in (w() for w in self._seeds) if r is not None and r.grad_fn is not None]
+            self._task = (task, _uses_below_roots(roots))
             self._seeds = []
         uses = self._task[1].get(id(v), 0) if self._task[0] == task else 0
         return uses or _uses_below(node, v)
