@@ -55,7 +55,7 @@ chain: $(VENV)/.installed
 	$(PY) -m bench.chain
 
 # Equal-memory comparison against checkpointing, selective checkpointing and torch.compile's activation memory
-# budget on bench/peer_models.py's GPT and ResNet: bench/results/peers.md (11 to 14 minutes on 2 cores).
+# budget on bench/peer_models.py's GPT and ResNet: bench/results/peers.md (18 to 24 minutes on 2 cores).
 peers: $(VENV)/.installed
 	$(PY) -m bench.peers
 

@@ -19,7 +19,10 @@ from the same initial weights (a deepcopy of one model per configuration), the s
     saved (MUST_SAVE), everything else recomputed (PREFER_RECOMPUTE);
   - compile b: `torch.compile` with `torch._functorch.config.activation_memory_budget = b` (1.0, 0.5, 0.3), set
     around compilation and the warm-up steps (the first call compiles). If compilation raises, the configuration
-    is reported as skipped with the exception's first line.
+    is reported as skipped with the exception's first line;
+  - coop at a peer's footprint: once every configuration above has been measured, coop once more per peer
+    (checkpointing, SAC, compile below 1.0) with `Budget(F)`, F that peer's measured footprint: the comparison at
+    equal measured memory, rendered as a table of its own.
 
 Note [Peers measurement]
 Footprint: `coop_arena.footprint.measure` (the profiler's allocation events) over zero_grad + forward + backward
@@ -75,6 +78,7 @@ RATIOS = (1.0, 0.75, 0.5)
 SMALL_RATIOS = (0.25, 0.3, 0.35, 0.4, 0.45, 0.55, 0.6, 0.65, 0.7)  # tried in this order up to the first that runs
 DTR_RATIO = 0.5
 COMPILE_BUDGETS = (1.0, 0.5, 0.3)
+MATCHED = ("checkpoint", "sac", "compile")  # the peers coop is also run at the footprint of (compile below 1.0)
 ROUNDS = 15            # the full run takes about 8 minutes at 5 rounds and 30 s per further round (2 cores)
 WARMUP = 3  # a Budget learns its headroom over its first two or three blocks (Note [Headroom])
 MEASURED = 2
@@ -158,8 +162,8 @@ class Config:
         self.model = copy.deepcopy(base)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=LR)
         if self.kind == "coop":
-            self.budget = coop_arena.Budget(int(self.params["ratio"] * P), device="cpu",
-                                            policy=self.params.get("policy", "coop"))
+            nbytes = self.params["nbytes"] if "nbytes" in self.params else int(self.params["ratio"] * P)
+            self.budget = coop_arena.Budget(nbytes, device="cpu", policy=self.params.get("policy", "coop"))
         elif self.kind in ("checkpoint", "sac"):
             _wrap_blocks(self.model, self.params.get("every", 1), self.kind == "sac")
         if self.kind == "compile":
@@ -276,6 +280,18 @@ def configurations(compile_backend: str) -> list[Config]:
     return out
 
 
+def at_equal_memory(configs: list[Config], P: int) -> list[Config]:
+    """A coop configuration per peer in MATCHED that was measured: `Budget(nbytes)` with nbytes = that peer's
+    measured footprint, so that the two are compared at equal memory (a Budget's footprint is at most its nbytes
+    after its first step, which the measured steps follow)."""
+    out = []
+    for peer in configs:
+        if peer.kind in MATCHED and peer.alive and peer.footprints and peer.params.get("memory_budget") != 1.0:
+            fp = max(peer.footprints)
+            out.append(Config(f"coop at {peer.name}'s footprint", "coop", nbytes=fp, matches=peer.name))
+    return out
+
+
 def smallest_ratio(base, data, loss_fn, P: int) -> tuple[list[dict], Config | None]:
     """Try SMALL_RATIOS in increasing order, each as a configuration of its own: made, then its warm-up steps (whole
     steps: the Budget learns its headroom over its first blocks, Note [Headroom]), up to the first that runs them.
@@ -322,6 +338,24 @@ def compare(ref, model) -> dict:
 
 
 # ================================================================================================ the run
+def prepare(name: str, cfg: Config, base, P: int, data, loss_fn) -> None:
+    """Make `cfg`, run its warm-up steps, then its measured ones (an error ends it, recorded)."""
+    x, y = data
+    log(f"{name}: {cfg.name}: warm-up")
+    try:
+        cfg.setup(base, P)
+    except Exception as e:  # noqa: BLE001 - e.g. a Budget that cannot be made
+        cfg.status, cfg.reason = "error", f"setup: {first_line(e)}"
+        log(f"{name}: {cfg.name}: {cfg.reason}")
+        return
+    cfg.warmup(x, y, loss_fn, WARMUP)
+    for _ in range(MEASURED):
+        cfg.measure(x, y, loss_fn)
+    if cfg.alive:
+        log(f"{name}: {cfg.name}: footprint {max(cfg.footprints) / MiB:.1f} MiB "
+            f"({max(cfg.footprints) / P:.2f} of eager), warm-up {cfg.warmup_seconds:.1f} s")
+
+
 def run_model(name: str, kwargs: dict, rounds: int, compile_backend: str) -> dict:
     t0 = time.perf_counter()
     base, data, loss_fn = MODELS[name](**kwargs)
@@ -363,19 +397,10 @@ def run_model(name: str, kwargs: dict, rounds: int, compile_backend: str) -> dic
         if cfg.kind == "compile" and not compile_reset:
             torch._dynamo.reset()  # Note [Peers measurement]: once, before this model's compile configurations
             compile_reset = True
-        log(f"{name}: {cfg.name}: warm-up")
-        try:
-            cfg.setup(base, P)
-        except Exception as e:  # noqa: BLE001 - e.g. a Budget that cannot be made
-            cfg.status, cfg.reason = "error", f"setup: {first_line(e)}"
-            log(f"{name}: {cfg.name}: {cfg.reason}")
-            continue
-        cfg.warmup(x, y, loss_fn, WARMUP)
-        for _ in range(MEASURED):
-            cfg.measure(x, y, loss_fn)
-        if cfg.alive:
-            log(f"{name}: {cfg.name}: footprint {max(cfg.footprints) / MiB:.1f} MiB "
-                f"({max(cfg.footprints) / P:.2f} of eager), warm-up {cfg.warmup_seconds:.1f} s")
+        prepare(name, cfg, base, P, data, loss_fn)
+    for cfg in at_equal_memory(configs, P):  # each made once its peer's footprint is known
+        prepare(name, cfg, base, P, data, loss_fn)
+        configs.append(cfg)
 
     from torch._dynamo.utils import counters
     graphs_before = counters["stats"]["unique_graphs"]
@@ -473,7 +498,8 @@ def render(data: dict) -> str:
         "and takes the peak of the bytes the step allocated, less model state: parameters, their gradients and the "
         "optimizer's state are excluded. A coop configuration's arena (allocated once, when the Budget is made) is "
         "added. Largest over the measured steps. Kernels' own scratch that bypasses PyTorch's allocator is not seen.",
-        "- Fraction = footprint / eager's footprint (P); coop r means `Budget(int(r * P), device=\"cpu\")`.",
+        "- Fraction = footprint / eager's footprint (P); coop r means `Budget(int(r * P), device=\"cpu\")`; "
+        "coop at a peer's footprint means `Budget(F)` with F that peer's measured footprint.",
         "- CPU time: `time.process_time()` of whole steps (zero_grad, forward, backward, opt.step) without the "
         "profiler, one step per configuration per round, rounds interleaved; min = min over rounds / eager's min, "
         "median = median / eager's median.",
@@ -505,7 +531,35 @@ def render(data: dict) -> str:
             tr = (f"{row['ratio_min']:.2f} / {row['ratio_median']:.2f}" if "ratio_min" in row else "-")
             eq = ("yes" if row["bitwise_equal"] else "no") if "bitwise_equal" in row else "-"
             lines.append(f"| {row['name']} | {fp} | {frac} | {tr} | {eq} | {_notes(row)} |")
+        lines += _equal_memory(m["configs"])
     return "\n".join(lines)
+
+
+def _equal_memory(rows: list[dict]) -> list[str]:
+    """Each peer beside coop run at the peer's measured footprint (`Budget(nbytes=that footprint)`)."""
+    by_name = {r["name"]: r for r in rows}
+    pairs = [(by_name[r["params"]["matches"]], r) for r in rows if "matches" in r["params"]]
+    if not pairs:
+        return []
+
+    def time(row):
+        return f"{row['ratio_min']:.2f} / {row['ratio_median']:.2f}" if "ratio_min" in row else "-"
+
+    def faster(peer, coop, key):
+        if key not in peer or key not in coop:
+            return "-"
+        return "coop" if coop[key] < peer[key] else "peer" if peer[key] < coop[key] else "tie"
+
+    out = ["", "At equal memory: coop with `Budget(nbytes)` set to each peer's measured footprint (its own footprint "
+           "measured the same way); CPU time ratio to eager, min / median over rounds:", "",
+           "| peer | peer footprint MiB | peer time | coop footprint MiB | coop time | faster by min / median "
+           "| coop bitwise |", "|---|---:|---:|---:|---:|---|---|"]
+    for peer, coop in pairs:
+        fp = _mib(coop["footprint_bytes"]) if "footprint_bytes" in coop else f"- ({_short(coop['reason'] or '', 80)})"
+        eq = ("yes" if coop["bitwise_equal"] else "no") if "bitwise_equal" in coop else "-"
+        out.append(f"| {peer['name']} | {_mib(peer['footprint_bytes'])} | {time(peer)} | {fp} | {time(coop)} | "
+                   f"{faster(peer, coop, 'ratio_min')} / {faster(peer, coop, 'ratio_median')} | {eq} |")
+    return out
 
 
 # ================================================================================================ main
