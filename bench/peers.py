@@ -280,7 +280,7 @@ def configurations(compile_backend: str) -> list[Config]:
     return out
 
 
-def at_equal_memory(configs: list[Config], P: int) -> list[Config]:
+def at_equal_memory(configs: list[Config]) -> list[Config]:
     """A coop configuration per peer in MATCHED that was measured: `Budget(nbytes)` with nbytes = that peer's
     measured footprint, so that the two are compared at equal memory (a Budget's footprint is at most its nbytes
     after its first step, which the measured steps follow)."""
@@ -398,7 +398,7 @@ def run_model(name: str, kwargs: dict, rounds: int, compile_backend: str) -> dic
             torch._dynamo.reset()  # Note [Peers measurement]: once, before this model's compile configurations
             compile_reset = True
         prepare(name, cfg, base, P, data, loss_fn)
-    for cfg in at_equal_memory(configs, P):  # each made once its peer's footprint is known
+    for cfg in at_equal_memory(configs):  # each made once its peer's footprint is known
         prepare(name, cfg, base, P, data, loss_fn)
         configs.append(cfg)
 
@@ -444,6 +444,15 @@ def run_model(name: str, kwargs: dict, rounds: int, compile_backend: str) -> dic
 # ================================================================================================ report
 def _mib(b) -> str:
     return f"{b / MiB:,.1f}"
+
+
+def _times(row: dict) -> str:
+    """A row's CPU time ratio to eager, min / median over rounds ("-" where it has none)."""
+    return f"{row['ratio_min']:.2f} / {row['ratio_median']:.2f}" if "ratio_min" in row else "-"
+
+
+def _bitwise(row: dict) -> str:
+    return ("yes" if row["bitwise_equal"] else "no") if "bitwise_equal" in row else "-"
 
 
 def _short(text: str, n: int = 150) -> str:
@@ -528,9 +537,7 @@ def render(data: dict) -> str:
         for row in m["configs"]:
             fp = _mib(row["footprint_bytes"]) if "footprint_bytes" in row else "-"
             frac = f"{row['fraction_of_eager']:.2f}" if "fraction_of_eager" in row else "-"
-            tr = (f"{row['ratio_min']:.2f} / {row['ratio_median']:.2f}" if "ratio_min" in row else "-")
-            eq = ("yes" if row["bitwise_equal"] else "no") if "bitwise_equal" in row else "-"
-            lines.append(f"| {row['name']} | {fp} | {frac} | {tr} | {eq} | {_notes(row)} |")
+            lines.append(f"| {row['name']} | {fp} | {frac} | {_times(row)} | {_bitwise(row)} | {_notes(row)} |")
         lines += _equal_memory(m["configs"])
     return "\n".join(lines)
 
@@ -541,9 +548,6 @@ def _equal_memory(rows: list[dict]) -> list[str]:
     pairs = [(by_name[r["params"]["matches"]], r) for r in rows if "matches" in r["params"]]
     if not pairs:
         return []
-
-    def time(row):
-        return f"{row['ratio_min']:.2f} / {row['ratio_median']:.2f}" if "ratio_min" in row else "-"
 
     def faster(peer, coop, key):
         if key not in peer or key not in coop:
@@ -556,9 +560,8 @@ def _equal_memory(rows: list[dict]) -> list[str]:
            "| coop bitwise |", "|---|---:|---:|---:|---:|---|---|"]
     for peer, coop in pairs:
         fp = _mib(coop["footprint_bytes"]) if "footprint_bytes" in coop else f"- ({_short(coop['reason'] or '', 80)})"
-        eq = ("yes" if coop["bitwise_equal"] else "no") if "bitwise_equal" in coop else "-"
-        out.append(f"| {peer['name']} | {_mib(peer['footprint_bytes'])} | {time(peer)} | {fp} | {time(coop)} | "
-                   f"{faster(peer, coop, 'ratio_min')} / {faster(peer, coop, 'ratio_median')} | {eq} |")
+        out.append(f"| {peer['name']} | {_mib(peer['footprint_bytes'])} | {_times(peer)} | {fp} | {_times(coop)} | "
+                   f"{faster(peer, coop, 'ratio_min')} / {faster(peer, coop, 'ratio_median')} | {_bitwise(coop)} |")
     return out
 
 
