@@ -25,9 +25,10 @@ Approach:
     headroom that kept a GPT's later steps from fitting at 0.55 of its footprint; the probes' copies of an
     encoder's weights (1 MiB of a 4.4 MiB budget) set one that left a shared encoder's second block no room
     (tests/test_leaf_gradients.py). Where a first block still does one-time work outside these ranges, the
-    second observed block may lower the headroom again; from the third on it only grows, so the learning ends. A block whose peak leaves the headroom as it is ends it: later
-    blocks run unobserved, at no cost, until a block plans an op configuration it had not met (new shapes),
-    whose successor is observed. Each change of the arena's size restarts step replay (Note [Step replay]).
+    second observed block may lower the headroom again; from the third on it only grows, so the learning ends.
+    A block whose peak leaves the headroom as it is ends it: later blocks run unobserved, at no cost, until a
+    block plans an op configuration it had not met (new shapes), whose successor is observed. Each change of the
+    arena's size restarts step replay (Note [Step replay]).
   - The first block runs with the whole `nbytes` as its arena (nothing is known yet), so its footprint may pass
     `nbytes` by its outside peak: the Budget warns (`FootprintExceeded`) when an observed block's arena plus its
     outside peak went over `nbytes`. `headroom=<bytes>` fixes the headroom from the start (no learning, no
