@@ -91,12 +91,13 @@ class Bookkeeping:
         self._thread = threading.get_ident()  # module hooks are global: modules run by other threads are not ours
         self.sharded_depth = 0                 # > 0 inside FSDP2's own work (sharded.py)
         self.settle = None                     # Runtime.settle, set by the Budget: before FSDP2 frees a parameter
+        self.rooted = None                     # Dispatch.rooted, set by the Budget: around each backward's run
         self._refused: tuple = ()              # FSDP module classes that cannot run inside this block
 
     def open(self) -> None:
         self._thread = threading.get_ident()
         fsdp2 = sharded.replacements()
-        patches.open(self, [*fsdp2, *_COPIES])
+        patches.open(self, [*fsdp2, *_COPIES, *_ENGINE])
         self._refused = _unsupported_sharded(bool(fsdp2))  # module hooks run per module call: computed once
         if self._ddp is not None:
             self._handles = (_module.register_module_forward_pre_hook(self._pre),
@@ -203,9 +204,24 @@ def _data_guarded(original):
     return property(lambda self: original.__get__(self, type(self)), set_data, doc=original.__doc__)
 
 
+def _rooted(original):
+    """`torch.autograd._engine_run_backward`, through which `backward()` and `autograd.grad()` both start the
+    autograd engine: the Budget open in this thread is told the roots of the backward it runs (Note [Gradients
+    of leaves] in dispatch.py)."""
+    @functools.wraps(original)
+    def run(t_outputs, *args, **kwargs):
+        bk = patches.current()
+        if bk is None or bk.rooted is None:
+            return original(t_outputs, *args, **kwargs)
+        with bk.rooted(t_outputs):
+            return original(t_outputs, *args, **kwargs)
+    return run
+
+
 _COPIES = [(torch.Tensor, "__deepcopy__", _copied_outside), (torch.nn.Parameter, "__deepcopy__", _copied_outside),
            (torch.Tensor, "data", _data_guarded),
            (torch.nn.parameter.UninitializedTensorMixin, "materialize", _materialized_outside)]
+_ENGINE = [(torch.autograd, "_engine_run_backward", _rooted)]
 
 
 def _has_bytes(t: torch.Tensor) -> bool:

@@ -506,6 +506,7 @@ class Budget:
                                 bookkeeping=self._bookkeeping, sizing=self._blocks > 0)
         self._blocks += 1
         self._bookkeeping.settle = self._runtime.settle
+        self._bookkeeping.rooted = self._runtime.dispatch.rooted
         try:
             self._mode = self._runtime.mode = _Mode(self._runtime)
             self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(_warn_if_compiled)
@@ -589,7 +590,7 @@ class Budget:
                     if recording is not None and exc_type is None:  # (a failed block's stream is no step to follow)
                         self._recording = recording
                     rt.close()
-                    self._bookkeeping.settle = None
+                    self._bookkeeping.settle = self._bookkeeping.rooted = None
                     self.memory.reset()
                     self._runtime = None
                     self._learn_headroom(self._outside if exc_type is None else None)

@@ -25,6 +25,7 @@ dropped); ops whose output is uninitialized memory (the empty family) are record
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 
@@ -39,6 +40,8 @@ from .errors import BudgetUsageError, UnsupportedOp, _internal_assert
 from .recipe import ArgRef, Data, Recipe, capture_rng, dead_ref, plain_dispatch, rewind
 from .storage import State, Storage
 from .tensor import Tensor, with_bits
+
+GradientEdge = torch.autograd.graph.GradientEdge
 
 aten = torch.ops.aten
 
@@ -124,20 +127,17 @@ def _refuse_storage_offset(func, args, kwargs) -> None:
 #   inputs) sums them before it accumulates: none of them becomes `.grad` as it is, so they go in the arena, and
 #   so does their sum (copied out as `.grad`). Such a leaf is found the first time a backward meets it, once per
 #   leaf, so that every step decides the same (step replay), by counting the edges into its AccumulateGrad:
-#   from the roots the backward was seeded for, where it was (`loss.backward()` makes its implicit gradient with
-#   `ones_like(loss)`, which records `loss` by a weak reference: `_seeds`, so that a block running many steps
-#   keeps no step's graph alive through them; the graph below their `grad_fn`s is walked once per backward that
-#   meets a new leaf, `_uses_below_roots`), else below the node that first meets it (`_uses_below`).
-#   Walked from that node alone, the second use of a shared encoder (the other branch of the loss, not below
-#   it) was not found: its gradients were made outside the arena and summed there, uncounted, and the step's
-#   footprint was 1.6-1.8x its budget. (Catching it at the second gradient made the second step decide
-#   otherwise than the first, which step replay does not allow.)
-#   What it misses: a backward given its gradient explicitly (`y.backward(dy)`, `autograd.grad(y, x, dy)`) has no
-#   seed: a second use not below the node that first meets the leaf is then not found, as above (correct, but
-#   temporaries outside the arena that the headroom's observer does not see). A `ones_like` of a scalar that is
-#   not a backward's seed is taken for one: a leaf used once in the backward but also in that scalar's graph is
-#   then taken to sum gradients, and its gradient goes through the arena and is copied out (correct, at the
-#   cost of that copy).
+#   from the roots the backward runs from (`_uses_below_roots`, walked once per graph task that meets a new
+#   leaf). Both `backward()` and `autograd.grad()`, with their gradients implicit or given, hand their outputs to
+#   the autograd engine through `torch.autograd._engine_run_backward`, which the Budget replaces while it is open
+#   (bookkeeping.py) to tell `rooted` the roots: their nodes are held for the call only, so that a block running
+#   many steps keeps no step's graph alive. Where a backward starts otherwise (a direct call into the engine),
+#   the edges are counted below the node that first meets the leaf (`_uses_below`). Walked from that node alone,
+#   the second use of a shared encoder (the other branch of the loss, not below it) was not found: its gradients
+#   were made outside the arena and summed there, uncounted, and the step's footprint was 1.4-1.8x its budget.
+#   (Catching it at the second gradient made the second step decide otherwise than the first, which step replay
+#   does not allow.) A backward restricted to some `inputs=` counts every edge below its roots, including those
+#   it does not run: a leaf may be taken to sum gradients it does not receive (correct, at the cost of a copy).
 #   The op runs inside `headroom.model_state()`, so that the headroom's observer leaves the gradient out even
 #   when the block frees it (`p.grad = None` after an update in it), as it leaves out a gradient copied out of
 #   the arena; the op's other outputs (convolution's input gradient), temporaries copied into the arena, are
@@ -194,10 +194,6 @@ def _uses_below_roots(roots) -> dict:
                 seen.add(id(f))
                 stack.append(f)
     return uses
-
-
-def _in_backward() -> bool:
-    return torch._C._current_autograd_node() is not None
 
 
 def _feeds_leaves() -> bool:
@@ -263,7 +259,6 @@ def _drew(call: _Call, rng) -> object:
 
 
 _RRELU = torch.ops.aten.rrelu_with_noise.default
-_ONES_LIKE = aten.ones_like.default
 _LIFT_FRESH, _AS_STRIDED, _DETACH, _COPY = (aten.lift_fresh.default, aten.as_strided.default, aten.detach.default,
                                            aten.copy_.default)
 
@@ -419,8 +414,8 @@ class Dispatch:
         self._ext_readers: dict[int, list] = {}     # external storage key -> weakrefs of storages reading it
         self._ext_refs = self._ext_kept = 0          # weakrefs in _ext_readers now / after the last prune
         self._claimed = (None, set())                # (autograd node, ids of the leaves it already gave a gradient)
-        self._seeds: list = []                       # weakrefs of the outputs a backward was seeded for, then
-        self._task = (None, {})                      # (its graph task, id(leaf) -> edges into the leaf below them)
+        self._roots: list[list] = []                 # the root nodes of each backward running now, innermost last
+        self._task = (None, {})                      # (a graph task, id(leaf) -> edges into the leaf below its roots)
 
     # ============================================================================================ dispatch
     def run(self, func, args, kwargs):
@@ -431,8 +426,6 @@ class Dispatch:
             func, args, kwargs = _rrelu_in_eval(args, kwargs)
         elif func in _OFFSET_IN_STORAGE and isinstance(args[0], Tensor):
             _refuse_storage_offset(func, args, kwargs)
-        elif func is _ONES_LIKE and args[0].numel() == 1 and args[0].grad_fn is not None and not _in_backward():
-            self._seed(args[0])  # autograd.backward's implicit gradient (Note [Gradients of leaves])
         elif (func is _LIFT_FRESH and not isinstance(args[0], Tensor) and args[0].device == self.device
               and not (self.bookkeeping is not None and self.bookkeeping.active())):  # (an optimizer's state: not)
             return self._lifted(args[0])
@@ -638,22 +631,26 @@ class Dispatch:
             r = _SHARED[id(v)] = (weakref.ref(v), self._uses(node, v) > 1)
         return r[1]
 
-    def _seed(self, output) -> None:
-        """Record an output a backward is about to be seeded for; those whose step is over (dead) are dropped."""
-        self._seeds = [w for w in self._seeds if w() is not None]
-        self._seeds.append(weakref.ref(output))
+    @contextlib.contextmanager
+    def rooted(self, outputs):
+        """While the autograd engine runs a backward from `outputs` (tensors or GradientEdges): its roots are known
+        (Note [Gradients of leaves]). Nested backwards (a reentrant checkpoint's) stack."""
+        nodes = [o.node if isinstance(o, GradientEdge) else o.grad_fn for o in outputs]
+        self._roots.append([n for n in nodes if n is not None])
+        try:
+            yield
+        finally:
+            self._roots.pop()
+            self._task = (None, {})
 
     def _uses(self, node, v) -> int:
         """How many edges of this backward's graph lead into the leaf `v`'s AccumulateGrad: counted from the roots
-        the backward was seeded for (`_seeds`, once per graph task), or, where there are none (a backward given
-        its gradient explicitly) or `v` is not below them, from `node` down (Note [Gradients of leaves])."""
+        of the innermost backward running (`rooted`, once per graph task), or, where there are none or `v` is not
+        below them, from `node` down (Note [Gradients of leaves])."""
         task = torch._C._current_graph_task_id()
-        if self._seeds and self._task[0] != task:
-            roots = [r.grad_fn for r in (w() for w in self._seeds) if r is not None and r.grad_fn is not None]
-            self._task = (task, _uses_below_roots(roots))
-            self._seeds = []
-        uses = self._task[1].get(id(v), 0) if self._task[0] == task else 0
-        return uses or _uses_below(node, v)
+        if self._task[0] != task:
+            self._task = (task, _uses_below_roots(self._roots[-1]) if self._roots else {})
+        return self._task[1].get(id(v), 0) or _uses_below(node, v)
 
     def _lifted(self, t: torch.Tensor):
         """`torch.tensor(data)`, `as_tensor(list)`, `t.new_tensor(data)` in the block: PyTorch makes the tensor from

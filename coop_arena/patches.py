@@ -3,7 +3,9 @@ autograd engine's threads running its backward).
 
 Some work inside a block is not the step's and must not reach the arena, yet no dispatch mode can tell it
 apart from the step's own ops: it is recognised by the library method it runs in (FSDP2's hooks, sharded.py;
-deep copies of tensors from before the block, bookkeeping.py). A replacement looks up the Bookkeeping of the
+deep copies of tensors from before the block, bookkeeping.py). What no op shows either is where a backward
+starts: the module function through which autograd enters its engine is replaced too, with a module in place
+of a class (bookkeeping.py; Note [Gradients of leaves] in dispatch.py). A replacement looks up the Bookkeeping of the
 Budget open in the calling thread (`current()`) and behaves exactly as the original where there is none; the
 originals are put back when the last open Budget closes. Methods are looked up on their classes at each call,
 so replacing them on the class reaches objects made before. (`Tensor.data`'s setter, bookkeeping.py, refuses in
@@ -36,7 +38,7 @@ def current():
 
 
 def open(bookkeeping, replacements) -> None:
-    """Register `bookkeeping` for this thread and replace each (class, name, wrap) of `replacements` that is not
+    """Register `bookkeeping` for this thread and replace each (class or module, name, wrap) of `replacements` not
     replaced yet by wrap(original). An attribute the class inherits is set on the class, then deleted again."""
     with _lock:
         _open[threading.get_ident()] = bookkeeping
@@ -44,7 +46,7 @@ def open(bookkeeping, replacements) -> None:
         for cls, name, wrap in replacements:
             if (cls, name) not in done:
                 inherited = name not in cls.__dict__  # (torch.Tensor.data lives on torch._C.TensorBase)
-                original = next(c.__dict__[name] for c in cls.__mro__ if name in c.__dict__)
+                original = next(c.__dict__[name] for c in getattr(cls, "__mro__", (cls,)) if name in c.__dict__)
                 _saved.append((cls, name, None if inherited else original))
                 setattr(cls, name, wrap(original))
 

@@ -165,13 +165,15 @@ def test_replaced_library_methods_find_the_budget_in_an_autograd_engine_thread()
             seen["with the mode"] = patches.current()
         seen["without"] = patches.current()
 
+    original = torch.autograd._engine_run_backward  # (where backward() and grad() enter the engine)
     with budget:
         mine = patches.current()
         worker = threading.Thread(target=engine_thread, args=(budget._mode,))
         worker.start()
         worker.join()
+        assert torch.autograd._engine_run_backward is not original
     assert mine is budget._bookkeeping and seen == {"with the mode": mine, "without": None}
-    assert patches.current() is None
+    assert patches.current() is None and torch.autograd._engine_run_backward is original
 
 
 # --------------------------------------------------------------------------------------------------- moves

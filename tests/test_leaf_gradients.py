@@ -3,6 +3,7 @@ largest weight gradient of a step no longer sets its lower bound."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -84,13 +85,22 @@ def test_a_weight_with_two_gradients_in_one_backward_gets_their_sum():
     assert budget.stats.evictions > 0 and budget.stats.rematerializations > 0
 
 
-def test_an_encoder_shared_by_two_branches_of_the_loss_fits_its_budget_by_the_profiler():
+BACKWARDS = {  # how a step starts its backward from the two branches' outputs a and b
+    "loss.backward()": lambda a, b: ((a - b).square().sum() + 0.1 * a.sum()).backward(),
+    "loss.backward(gradient)": lambda a, b: ((a - b).square().sum() + 0.1 * a.sum()).backward(torch.ones(())),
+    "autograd.backward(two roots)": lambda a, b: torch.autograd.backward(
+        [(a - b).square().sum(), a], [torch.ones(()), torch.full_like(a, 0.1)]),
+}
+
+
+@pytest.mark.parametrize("backward", list(BACKWARDS))
+def test_an_encoder_shared_by_two_branches_of_the_loss_fits_its_budget_by_the_profiler(backward):
     """A siamese encoder: both branches of the loss read every weight, and neither branch lies below the other in
     the autograd graph, so a walk down from the node that first meets a weight does not find its second use. The
-    uses are counted from the roots the backward was seeded for (Note [Gradients of leaves]): the two gradients
-    of each weight, summed before they accumulate, are temporaries of the step and go in the arena, counted.
-    Made outside the arena instead, they were not counted: the step's footprint was 1.4x its budget here (1.6-1.8x
-    on a wider encoder)."""
+    uses are counted from the roots the backward runs from (Note [Gradients of leaves]), whether its gradient is
+    implicit, given, or given for several outputs: the two gradients of each weight, summed before they
+    accumulate, are temporaries of the step and go in the arena, counted. Made outside the arena instead, they
+    were not counted: the step's footprint was 1.4x its budget here (1.6-1.8x on a wider encoder)."""
     import warnings
 
     from coop_arena import footprint
@@ -103,12 +113,9 @@ def test_an_encoder_shared_by_two_branches_of_the_loss_fits_its_budget_by_the_pr
         x1, x2 = torch.randn(256, 128, generator=g), torch.randn(256, 128, generator=g)
         fps = []
 
-        def contrastive(a, b):
-            return (a - b).square().sum() + 0.1 * a.sum()
-
         def step():
             with budget if budget is not None else torch.enable_grad():
-                contrastive(enc(x1), enc(x2)).backward()  # (nothing of the step held at its exit)
+                BACKWARDS[backward](enc(x1), enc(x2))  # (nothing of the step held at its exit)
 
         for i in range(steps):
             opt.zero_grad()
