@@ -12,6 +12,19 @@ Approach: `window` computes exactly what the numpy formulation computes, in the 
 Limitations: compiled on first use (`cache=True` keeps the machine code in __pycache__, so later processes only
   load it); without numba, or where it fails to import, the numpy path runs (policy.compiled_window).
 
+Note [Compiling off the engine's stack]
+Rationale: numba's type inference keeps the tracebacks of the typing errors it tries and recovers from, and a
+  traceback holds every frame above it. Compiled lazily at the first call, on the engine's stack, they held the
+  frames of the model's forward, with their tensors, for the rest of the process: an activation (an MLP's
+  logits) stayed alive until its block exited, so a process whose cache was cold decided otherwise than one
+  whose cache was warm (514 trace events against 513) and kept that step's tensors.
+Approach: `load` compiles, or loads from the cache, every function for the argument types the engine passes
+  (`SIGNATURES`), and policy.compiled_window runs it once per process in a helper thread, whose stack holds
+  nothing of the program's. tests/test_search_paths.py checks that a cold cache and a warm one decide alike
+  and that no block compiles anything more.
+Limitations: a call with other argument types (a new caller) compiles lazily on the engine's stack again; the
+  test above fails then, until its types are added to `SIGNATURES`.
+
 Note [Compiled decision]
 Rationale: the window search is one part of what an eviction event spends choosing. The prices it reads (c/s
   and the price of a copy per block, gathered from the per-slot columns) and the move plan's reruns (Note [Moving
@@ -221,3 +234,26 @@ def evictable(kind, lo, r):
             out[n] = i
             n += 1
     return out[:n]
+
+
+def _array(dtype, readonly: bool = False):
+    return numba.types.Array(dtype, 1, "C", readonly=readonly)
+
+
+_I8, _I8R, _I1, _F8, _B = (_array(numba.int64), _array(numba.int64, True), _array(numba.int8),
+                           _array(numba.float64), _array(numba.boolean))
+SIGNATURES = (  # what the engine passes (the block table's columns are read-only views)
+    (window, (_I8R, _I8R, _I1, _F8, numba.int64)),
+    (prices, (_I8R, _I1, _F8, _F8, _I8R, numba.float64)),
+    (move_search, (_I8R, _I8R, _I8R, _I1, _F8, _F8, numba.int64, numba.float64)),
+    (move_total, (_I1, _F8, _B, numba.int64, numba.int64, _I8, _I8, numba.int64)),
+    (columns, (_I8, _B, _I8, _I8, _I8, _I8)),
+    (evictable, (_I1, numba.int64, numba.int64)),
+)
+
+
+def load() -> None:
+    """Compile, or load from the cache, each function for the types in SIGNATURES (Note [Compiling off the
+    engine's stack]: run it off the engine's stack)."""
+    for fn, sig in SIGNATURES:
+        fn.compile(sig)

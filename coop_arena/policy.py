@@ -58,6 +58,7 @@ from __future__ import annotations
 import heapq
 import logging
 import sys
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -159,16 +160,26 @@ _COMPILED = []  # [the compiled window search, or None where numba is missing], 
 
 def compiled_window():
     """The compiled window search (compiled.window), or None where numba is not installed. Imported on the first
-    search, not with the package: importing numba takes a noticeable fraction of a second."""
+    search, not with the package: importing numba takes a noticeable fraction of a second. Imported and compiled
+    in a helper thread (Note [Compiling off the engine's stack] in compiled.py)."""
     if not _COMPILED:
-        try:
-            from .compiled import window
-        except ImportError:  # numba is not installed
-            window = None
-        except Exception as e:  # numba is there but cannot serve (for example no writable cache directory)
-            logging.getLogger(__name__).warning("coop window search: numba unusable (%s), using numpy", e)
-            window = None
-        _COMPILED.append(window)
+        found = []
+
+        def load():
+            try:
+                from .compiled import load, window
+                load()
+            except ImportError:  # numba is not installed
+                window = None
+            except Exception as e:  # numba is there but cannot serve (for example no writable cache directory)
+                logging.getLogger(__name__).warning("coop window search: numba unusable (%s), using numpy", e)
+                window = None
+            found.append(window)
+
+        helper = threading.Thread(target=load, name="coop_arena compile")
+        helper.start()
+        helper.join()
+        _COMPILED.append(found[0] if found else None)
     return _COMPILED[0]
 
 

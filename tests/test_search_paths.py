@@ -271,3 +271,66 @@ def test_the_compiled_move_plan_moves_as_the_python_one():
 
     same()
     assert sum(1 for n in moved if n) >= 25, sum(1 for n in moved if n)  # enough cases moved a block for the comparison to mean it
+
+
+# ------------------------------------------------------------------------------------------ compiling
+_COLD_OR_WARM = """
+import gc, json, sys, types
+sys.path.insert(0, {tests!r})
+gc.disable()  # (what numba's tracebacks hold then stays until a full collection: what a young one missed)
+import torch
+torch.set_num_threads(1)
+import coop_arena
+from coop_arena import compiled
+from training import train
+probe = coop_arena.Budget(1 << 28, device="cpu", headroom=0)
+train("mlp", probe, steps=1)
+budget = coop_arena.Budget(int(0.4 * probe.stats.peak_bytes), device="cpu", headroom=0)
+held = []
+exit_ = type(budget).__exit__
+def outermost(f):
+    while f.f_back is not None:
+        f = f.f_back
+    return f
+def spy(self, *exc):  # frames of this thread's finished calls still alive at the block's exit
+    stack, f = set(), sys._getframe()
+    while f is not None:
+        stack.add(id(f))
+        f = f.f_back
+    here = outermost(sys._getframe())
+    held.extend(f"{{o.f_code.co_filename}}:{{o.f_code.co_name}}" for o in gc.get_objects()
+                if isinstance(o, types.FrameType) and id(o) not in stack and outermost(o) is here
+                and "numba" not in o.f_code.co_filename)
+    return exit_(self, *exc)
+type(budget).__exit__ = spy
+train("mlp", budget, steps=1)
+print(json.dumps(dict(trace=[repr(e) for e in budget.trace], evictions=budget.stats.evictions, held=held,
+                      signatures={{fn.__name__: len(fn.signatures) for fn, _ in compiled.SIGNATURES}})))
+"""
+
+
+@needs_numba
+def test_a_cold_compile_cache_decides_as_a_warm_one_and_holds_no_frames(tmp_path):
+    """Numba's type inference keeps tracebacks, which hold every frame above them (Note [Compiling off the engine's
+    stack] in compiled.py): compiled on the engine's stack, an MLP's logits stayed alive until the block's exit
+    (unless a young collection found the cycle first) and the first eviction of a process with a cold cache
+    decided otherwise than with a warm one. Two processes share an empty cache and collect no cycles: the first
+    compiles, the second loads; both make the same decisions, no frame of the program outlives its call, and no
+    block compiles anything beyond SIGNATURES."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    code = _COLD_OR_WARM.format(tests=str(Path(__file__).parent))
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    runs = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    cold, warm = runs
+    assert any(tmp_path.joinpath("numba").rglob("*.nbc"))  # the first run compiled into the cache
+    assert cold["evictions"] > 0 and cold["trace"] == warm["trace"]
+    assert cold["held"] == [] and warm["held"] == []
+    assert all(n == 1 for n in cold["signatures"].values()), cold["signatures"]
