@@ -40,7 +40,7 @@ TRACE = 10**8
 MAX_OVERHEAD = 30.0
 TIMING = ("search_seconds", "search_seconds_per_event", "search_seconds_max", "replayed_ops")  # (and not decisions)
 # the footprint's fields (Note [Headroom]): with the arena fixed at the whole budget they say nothing of decisions
-FOOTPRINT = ("cap", "headroom", "arena_bytes", "footprint_peak", "footprint_observed")
+FOOTPRINT = ("cap", "headroom", "arena_bytes", "footprint_peak", "footprint_observed", "escaped_bytes")
 
 
 def _fixed_arena() -> dict:

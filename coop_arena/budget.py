@@ -79,6 +79,8 @@ class BudgetStats:
     exit_recompute_cost: float = 0.0  # their analytic cost (part of recompute_cost)
     restores_in_turn: int = 0  # ops whose inputs did not fit back at once and were restored one at a time
     dropped: int = 0           # storages given up at exit after an error (TensorLost on use)
+    escaped_bytes: int = 0     # bytes copied out of the arena at block exit for the tensors the program still held
+                               # (logits, the loss): its results, outside the cap like model state
     placed_bytes: int = 0      # output bytes written into the arena, replays included
     temporary_bytes: int = 0   # of those, bytes computed into a temporary first (no out= kernel) and copied in
     temporary_peak: int = 0    # most bytes alive at once outside the arena, model state excepted: observed from the
@@ -638,9 +640,10 @@ class Budget:
             search_seconds=m.search_seconds, search_seconds_per_event=m.search_seconds_per_event,
             fragmentation=m.fragmentation, unevictable_bytes=c.unevictable_peak, frozen=c.frozen,
             lower_bound=c.working_set_peak + c.unevictable_peak, relocations=m.relocations,
-            relocated_bytes=m.relocated_bytes, compactions=m.compactions, exit_rematerializations=c.exit_rematerializations,
-            exit_recompute_cost=c.exit_recompute_cost,
-            restores_in_turn=c.restores_in_turn, dropped=c.dropped, placed_bytes=c.placed_bytes, temporary_bytes=c.temporary_bytes,
+            relocated_bytes=m.relocated_bytes, compactions=m.compactions,
+            exit_rematerializations=c.exit_rematerializations, exit_recompute_cost=c.exit_recompute_cost,
+            restores_in_turn=c.restores_in_turn, dropped=c.dropped, escaped_bytes=c.escaped_bytes,
+            placed_bytes=c.placed_bytes, temporary_bytes=c.temporary_bytes,
             temporary_peak=outside, replayed_ops=c.replayed_ops, cap=self.nbytes, headroom=self.headroom,
             arena_bytes=self.arena.nbytes, footprint_peak=self.arena.nbytes + outside,
             footprint_observed=observed)

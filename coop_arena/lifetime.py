@@ -320,6 +320,7 @@ class Lifetime:
                     self.counters.exit_rematerializations += self.counters.rematerializations - before
                     self.counters.exit_recompute_cost += self.counters.recompute_cost - cost
                 d.detached = self.arena.bytes(s.offset, s.nbytes).clone()
+                self.counters.escaped_bytes += s.nbytes
             except (CoopArenaError, _Dropped) as e:
                 if not failed and isinstance(e, CoopArenaError) and not lost_before:
                     unrestored.append((s, e))

@@ -58,6 +58,7 @@ class RuntimeCounters:
     working_set_peak: int = 0       # largest bytes one op held at once: its inputs and its outputs
     frozen: int = 0                 # storages made unevictable by a later write to what they read
     dropped: int = 0                # storages given up at exit after an error (TensorLost on use)
+    escaped_bytes: int = 0          # bytes copied out of the arena at exit for the tensors the program still holds
     live_bytes: int = 0             # now: bytes of storages a wrapper uses (without copy-on-write's moves)
     live_peak: int = 0
     placed_bytes: int = 0           # output bytes written into the arena, replays included
