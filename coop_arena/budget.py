@@ -394,6 +394,7 @@ class Budget:
         self._outside: int | None = None  # the last block's observed outside peak
         self._settled: int | None = None  # the outside peak observed last at the present arena size
         self._warned_footprint = False
+        self._worst_later = 0  # the largest footprint over nbytes that a later block warned of (Note [Headroom])
         self._observed = 0  # blocks observed so far
         self._made = 0  # placement.made when the block opened
         self.max_overhead = None if max_overhead is None else float(max_overhead)
@@ -423,6 +424,24 @@ class Budget:
     def __repr__(self) -> str:
         return f"Budget({self.nbytes} bytes, device={self.device}, policy={self.policy!r})"
 
+    def _warn_later(self, outside: int | None, counted: int | None) -> None:
+        """A block after the first whose footprint went over `nbytes`: one that met op configurations it had not
+        met (new shapes, whose first calls run into temporaries outside the arena: Note [Shapes that change] in
+        placement.py). Told when it goes over by more than any block before it did."""
+        seen = outside if outside is not None else counted
+        total = self.arena.nbytes + (seen or 0)
+        if not self._warned_footprint or seen is None or total <= max(self.nbytes, self._worst_later):
+            return
+        self._worst_later = total
+        how = "observed with the profiler" if outside is not None else "by the engine's own count"
+        then = "is learned again from the next block on" if self._learns else "is fixed"
+        need = _fmt(_aligned_up(seen, self.memory.table.alignment))
+        warn(f"a later block of {self!r} allocated {_fmt(seen)} outside its arena of {_fmt(self.arena.nbytes)} "
+             f"({how}): {_fmt(total)} in all, over the budget. Beyond the headroom of {_fmt(self.headroom)} are "
+             f"the temporaries of op configurations a block meets for the first time (new shapes, as when shapes "
+             f"change from step to step), whose first calls compute into temporaries; the headroom {then}. To keep "
+             f"every block within the budget, pass headroom=<bytes> of at least {need}", FootprintExceeded)
+
     def _make_arena(self) -> None:
         """The arena (and its block table) of `nbytes - headroom` bytes, made again when the headroom grows (between
         blocks, when the arena is empty: Note [Headroom])."""
@@ -434,10 +453,12 @@ class Budget:
         except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
             raise ArenaAllocationError(size, str(self.device), str(e).strip().splitlines()[0]) from e
 
-    def _learn_headroom(self, outside: int | None) -> None:
+    def _learn_headroom(self, outside: int | None, counted: int | None = None) -> None:
         """After a block that ended normally: its observed outside peak (None: not observed) sets the headroom, or
-        ends the learning (Note [Headroom]). Warns once when the block's footprint went over `nbytes`."""
+        ends the learning (Note [Headroom]). Warns once when the first block's footprint went over `nbytes`, and
+        when a later one's did by more than any before it (observed, or by the engine's own count `counted`)."""
         align = self.memory.table.alignment
+        self._warn_later(outside, counted)
         learned = None
         if self._learns and outside is not None:
             learned = min(_aligned_up(outside, align), self.nbytes - align)
@@ -595,7 +616,8 @@ class Budget:
                     self._bookkeeping.settle = self._bookkeeping.rooted = None
                     self.memory.reset()
                     self._runtime = None
-                    self._learn_headroom(self._outside if exc_type is None else None)
+                    self._learn_headroom(self._outside if exc_type is None else None,
+                                         self._stats.temporary_peak if exc_type is None else None)
                     self._owner = None
                 finally:
                     resume_collection()  # even after an interrupt above (Note [Cyclic collection])

@@ -36,8 +36,13 @@ Approach:
   - `stats.temporary_peak` is the observed outside peak when the block was observed (`stats.footprint_observed`),
     else the larger of the peak observed last at this arena size and the engine's own count of its temporaries;
     `stats.footprint_peak` is the arena's bytes plus it.
-Limitations: a configuration first met after the headroom is learned (a new shape) compares its out= run
-  with the functional op then: that one step allocates one output outside the arena beyond its headroom. Memory
+Limitations: a configuration first met after the headroom is learned (a new shape) runs its first call into
+  temporaries and one-time checks outside the arena then, beyond the headroom: that block is not observed (it
+  could not be known to need it), its successor is. When the engine's own count of the block's temporaries
+  passes the headroom, its stats say so (`footprint_peak` over `cap`) and `FootprintExceeded` warns, at the
+  first such block and then where one goes further over, with the headroom that holds it (`headroom=<bytes>`);
+  the count leaves out the one-time checks' host copies, so a block a little over is not told
+  (tests/test_footprint.py: shapes that change from step to step). Memory
   a kernel allocates without PyTorch's allocators (some cuDNN / oneDNN workspaces, CUDA's
   context) is not seen, by the observer or by a user's profiler. The profiler slows the blocks it observes (two or
   three). A block that runs while another profiler is active (a user's `torch.profiler`) is not

@@ -152,6 +152,53 @@ def test_tensors_held_at_the_blocks_exit_are_copied_out_and_counted_apart():
     assert fp is not None  # (the last steps were measured)
 
 
+def test_a_later_block_over_the_budget_at_new_shapes_warns_and_says_so_in_its_stats():
+    """Shapes that change from step to step: a block that meets op configurations for the first time (a shorter
+    sequence) computes their first calls into temporaries outside the arena, beyond the headroom learned at the
+    first shape (here the vocabulary's logits: Note [Shapes that change] in placement.py). Such a block is not
+    silent: its stats put its footprint over the cap, and FootprintExceeded says by how much and what headroom
+    would hold it. The same arena with a fixed headroom of the largest figure keeps every block within its
+    budget."""
+    from coop_arena.examples import GPT
+
+    lengths = [24, 24, 24, 24, 20, 24, 17]
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randint(0, 512, (4, t), generator=g), torch.randint(0, 512, (4, t), generator=g)) for t in lengths]
+
+    def run(budget):
+        torch.manual_seed(0)
+        model = GPT(vocab=512, d=32, heads=2, layers=2, seq=32)
+        out = []
+        for i, (x, y) in enumerate(data):
+            torch.manual_seed(100 + i)
+
+            def step():
+                with budget if budget is not None else torch.enable_grad():
+                    loss_fn("gpt", model(x), y).backward()
+
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", coop_arena.FootprintExceeded)
+                fp = step() if budget is not None and budget._observe else footprint.measure(
+                    step, keep=lambda: [p.grad for p in model.parameters()])
+            out.append((fp, budget and budget.stats, [str(w.message) for w in caught
+                                                       if w.category is coop_arena.FootprintExceeded]))
+            model.zero_grad()
+        return out
+
+    nbytes = int(0.6 * max(fp.excess for fp, _, _ in run(None)))
+    out = run(coop_arena.Budget(nbytes, device="cpu"))
+    over = [(t, fp, st, said) for t, (fp, st, said) in zip(lengths, out)
+            if fp is not None and st.arena_bytes + fp.excess > 1.02 * nbytes]
+    assert over and all(t != 24 for t, *_ in over)  # (the steps at the learned shape stay within it)
+    assert all(st.footprint_peak > st.cap for _, _, st, _ in over), over  # (their stats say so)
+    said = over[0][3]  # warned at the first, and then where a block goes further over (not every step)
+    assert len(said) == 1 and said[0].startswith("a later block") and "headroom=<bytes> of at least" in said[0]
+    assert all(st.evictions > 0 and st.rematerializations > 0 for _, st, _ in out[1:])
+    need = max(fp.excess for fp, _, _ in out if fp is not None)  # the same arena, and that headroom beside it:
+    fixed = coop_arena.Budget(out[-1][1].arena_bytes + need, device="cpu", headroom=need)
+    assert all(not said and st.arena_bytes + fp.excess <= 1.02 * fixed.nbytes for fp, st, said in run(fixed))
+
+
 def test_a_model_without_temporaries_keeps_its_whole_budget_as_the_arena():
     """The MLP's ops all write into the arena directly: nothing is kept outside it and its decisions are those of
     an arena of the whole budget."""
