@@ -64,27 +64,33 @@ def step_time(path: str) -> str:
     return "\n".join(out)
 
 
-def host_overhead(path: str) -> str:
+def host_overhead(*paths: str) -> str:
     """us of host CPU time per dispatched aten op and each ratio to the empty mode's: one table with the minimum
-    over rounds, one with the mean (the minimum skips the rounds in which Python's cycle collector ran)."""
-    data = json.load(open(path))
+    over rounds, one with the mean (the minimum skips the rounds in which Python's cycle collector ran). Given
+    several runs' JSON files, a cell is the minimum over all their rounds, or the mean of their means."""
+    runs = [json.load(open(path)) for path in paths]
+    data = runs[0]
     seen = {b["extra_info"]["config"] for b in data["benchmarks"]}
     configs = [c for c in ("eager", "empty_mode", "wrap_only", "ample-first", "ample-later", "ample-search", "0.6-first",
                            "0.6-later", "0.6-search", "0.5-first", "0.5-later", "0.5-search") if c in seen]
     out = [f"Machine: {data['machine_info'].get('cpu', {}).get('brand_raw', '?')}, "
-           f"{data['machine_info'].get('cpu', {}).get('count', '?')} cores; date {data['datetime']}; timer "
+           f"{data['machine_info'].get('cpu', {}).get('count', '?')} cores; "
+           f"date{'s' if len(runs) > 1 else ''} {', '.join(r['datetime'] for r in runs)}; timer "
            f"{data['benchmarks'][0]['options'].get('timer', '?')}"]
     for stat, title in (("min", "minimum over rounds"), ("mean", "mean over rounds")):
         rows, ops = {}, {}
-        for b in data["benchmarks"]:
-            info = b["extra_info"]
-            rows.setdefault(info["workload"], {})[info["config"]] = b["stats"][stat]
-            ops[info["workload"]] = info["ops"]
-        out += ["", f"us of host time per aten op, {title} (ratio to the empty dispatch mode):", "",
+        for run in runs:
+            for b in run["benchmarks"]:
+                info = b["extra_info"]
+                rows.setdefault(info["workload"], {}).setdefault(info["config"], []).append(b["stats"][stat])
+                ops[info["workload"]] = info["ops"]
+        pick = min if stat == "min" else (lambda v: sum(v) / len(v))
+        out += ["", f"us of host time per aten op, {title}{' of ' + str(len(runs)) + ' runs' if len(runs) > 1 else ''} "
+                    f"(ratio to the empty dispatch mode):", "",
                 "| workload | ops | " + " | ".join(configs) + " | ample-later / eager |",
                 "|---|---|" + "---|" * (len(configs) + 1)]
-        for w, r in rows.items():
-            n = ops[w]
+        for w, values in rows.items():
+            n, r = ops[w], {c: pick(v) for c, v in values.items()}
             empty = r["empty_mode"] / n
             cells = [f"{r[c] / n * 1e6:.1f} ({r[c] / n / empty:.1f}x)" if c in r else "-" for c in configs]
             plain = f"{r['ample-later'] / r['eager']:.1f}x" if "ample-later" in r and "eager" in r else "-"
@@ -93,5 +99,5 @@ def host_overhead(path: str) -> str:
 
 
 if __name__ == "__main__":
-    kind, path = sys.argv[1], sys.argv[2]
-    print({"step_time": step_time, "host_overhead": host_overhead}[kind](path))
+    kind, paths = sys.argv[1], sys.argv[2:]
+    print({"step_time": step_time, "host_overhead": host_overhead}[kind](*paths))
