@@ -425,22 +425,27 @@ class Budget:
         return f"Budget({self.nbytes} bytes, device={self.device}, policy={self.policy!r})"
 
     def _warn_later(self, outside: int | None, counted: int | None) -> None:
-        """A block after the first whose footprint went over `nbytes`: one that met op configurations it had not
-        met (new shapes, whose first calls run into temporaries outside the arena: Note [Shapes that change] in
-        placement.py). Told when it goes over by more than any block before it did."""
+        """A block whose footprint went over `nbytes` although its headroom was set (learned, with the first
+        block's warning given by `_learn_headroom`, or fixed above 0): most often one that met op configurations
+        it had not met (new shapes, whose first calls run into temporaries outside the arena: Note [Shapes that
+        change] in placement.py). Told when it goes over by more than any block before it did."""
         seen = outside if outside is not None else counted
-        total = self.arena.nbytes + (seen or 0)
-        if not self._warned_footprint or seen is None or total <= max(self.nbytes, self._worst_later):
+        if seen is None or (self._learns and not self._warned_footprint) or (not self._learns and not self.headroom):
+            return  # (headroom=0 leaves the temporaries outside the cap by choice)
+        total = self.arena.nbytes + seen
+        if total <= max(self.nbytes, self._worst_later):
             return
         self._worst_later = total
         how = "observed with the profiler" if outside is not None else "by the engine's own count"
+        what = ("the temporaries of op configurations it met for the first time (new shapes, as when shapes change "
+                "from step to step), whose first calls compute into temporaries" if placement.made[0] != self._made
+                else "its temporaries")
         then = "is learned again from the next block on" if self._learns else "is fixed"
         need = _fmt(_aligned_up(seen, self.memory.table.alignment))
-        warn(f"a later block of {self!r} allocated {_fmt(seen)} outside its arena of {_fmt(self.arena.nbytes)} "
-             f"({how}): {_fmt(total)} in all, over the budget. Beyond the headroom of {_fmt(self.headroom)} are "
-             f"the temporaries of op configurations a block meets for the first time (new shapes, as when shapes "
-             f"change from step to step), whose first calls compute into temporaries; the headroom {then}. To keep "
-             f"every block within the budget, pass headroom=<bytes> of at least {need}", FootprintExceeded)
+        warn(f"a block of {self!r} allocated {_fmt(seen)} outside its arena of "
+             f"{_fmt(self.arena.nbytes)} ({how}): {_fmt(total)} in all, over the budget. Beyond the headroom of "
+             f"{_fmt(self.headroom)} are {what}; the headroom {then}. To keep every block within the budget, pass "
+             f"headroom=<bytes> of at least {need}", FootprintExceeded)
 
     def _make_arena(self) -> None:
         """The arena (and its block table) of `nbytes - headroom` bytes, made again when the headroom grows (between

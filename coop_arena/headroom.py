@@ -32,7 +32,8 @@ Approach:
   - The first block runs with the whole `nbytes` as its arena (nothing is known yet), so its footprint may pass
     `nbytes` by its outside peak: the Budget warns (`FootprintExceeded`) when an observed block's arena plus its
     outside peak went over `nbytes`. `headroom=<bytes>` fixes the headroom from the start (no learning, no
-    observation); `headroom=0` gives the whole budget to the arena, with temporaries outside it and uncapped.
+    observation; a block whose temporaries pass it by the engine's own count warns, as below); `headroom=0`
+    gives the whole budget to the arena, with temporaries outside it and uncapped.
   - `stats.temporary_peak` is the observed outside peak when the block was observed (`stats.footprint_observed`),
     else the larger of the peak observed last at this arena size and the engine's own count of its temporaries;
     `stats.footprint_peak` is the arena's bytes plus it.

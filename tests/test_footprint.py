@@ -192,7 +192,8 @@ def test_a_later_block_over_the_budget_at_new_shapes_warns_and_says_so_in_its_st
     assert over and all(t != 24 for t, *_ in over)  # (the steps at the learned shape stay within it)
     assert all(st.footprint_peak > st.cap for _, _, st, _ in over), over  # (their stats say so)
     said = over[0][3]  # warned at the first, and then where a block goes further over (not every step)
-    assert len(said) == 1 and said[0].startswith("a later block") and "headroom=<bytes> of at least" in said[0]
+    assert len(said) == 1 and said[0].startswith("a block of") and "first time" in said[0]
+    assert "headroom=<bytes> of at least" in said[0]
     assert all(st.evictions > 0 and st.rematerializations > 0 for _, st, _ in out[1:])
     need = max(fp.excess for fp, _, _ in out if fp is not None)  # the same arena, and that headroom beside it:
     fixed = coop_arena.Budget(out[-1][1].arena_bytes + need, device="cpu", headroom=need)
@@ -245,6 +246,21 @@ def test_a_fixed_headroom_is_kept_and_not_observed():
         run("cnn", budget, steps=2, measure_from=2)
     assert budget.headroom == -(-300_000 // 512) * 512 and budget.arena.nbytes == nbytes - budget.headroom
     assert not budget.stats.footprint_observed
+
+
+def test_a_fixed_headroom_too_small_for_the_temporaries_warns_by_the_engines_count():
+    """A fixed headroom is not observed, so the engine's own count of its temporaries is what can tell that a
+    block went over the budget: it warns once (no block goes further over), with the headroom that holds them;
+    `headroom=0` leaves the temporaries outside the cap by choice and warns of nothing."""
+    nbytes = int(0.6 * plain_footprint("cnn"))
+    small = coop_arena.Budget(nbytes, device="cpu", headroom=512)
+    with pytest.warns(coop_arena.FootprintExceeded, match="the headroom is fixed") as caught:
+        run("cnn", small, steps=3, measure_from=3)
+    assert len([w for w in caught if w.category is coop_arena.FootprintExceeded]) == 1
+    assert small.stats.footprint_peak > small.stats.cap
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", coop_arena.FootprintExceeded)
+        run("cnn", coop_arena.Budget(nbytes, device="cpu", headroom=0), steps=2, measure_from=2)
 
 
 @pytest.mark.parametrize("headroom", [-1, 1 << 40, 1.5, True, "64"])
