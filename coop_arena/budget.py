@@ -425,12 +425,12 @@ class Budget:
         return f"Budget({self.nbytes} bytes, device={self.device}, policy={self.policy!r})"
 
     def _warn_later(self, outside: int | None, counted: int | None) -> None:
-        """A block whose footprint went over `nbytes` although its headroom was set (learned, with the first
-        block's warning given by `_learn_headroom`, or fixed above 0): most often one that met op configurations
-        it had not met (new shapes, whose first calls run into temporaries outside the arena: Note [Shapes that
-        change] in placement.py). Told when it goes over by more than any block before it did."""
+        """A block whose footprint went over `nbytes` after the headroom was set (learned after the first
+        observed block over it, which `_learn_headroom` tells of, or fixed above 0): most often one that met op
+        configurations it had not met (new shapes, whose first calls run into temporaries outside the arena: Note
+        [Shapes that change] in placement.py). Told when it goes over by more than any block before it did."""
         seen = outside if outside is not None else counted
-        if seen is None or (self._learns and not self._warned_footprint) or (not self._learns and not self.headroom):
+        if seen is None or (not self._learns and not self.headroom):
             return  # (headroom=0 leaves the temporaries outside the cap by choice)
         total = self.arena.nbytes + seen
         if total <= max(self.nbytes, self._worst_later):
@@ -458,12 +458,11 @@ class Budget:
         except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
             raise ArenaAllocationError(size, str(self.device), str(e).strip().splitlines()[0]) from e
 
-    def _learn_headroom(self, outside: int | None, counted: int | None = None) -> None:
+    def _learn_headroom(self, outside: int | None, counted: int | None) -> None:
         """After a block that ended normally: its observed outside peak (None: not observed) sets the headroom, or
         ends the learning (Note [Headroom]). Warns once when the first block's footprint went over `nbytes`, and
         when a later one's did by more than any before it (observed, or by the engine's own count `counted`)."""
         align = self.memory.table.alignment
-        self._warn_later(outside, counted)
         learned = None
         if self._learns and outside is not None:
             learned = min(_aligned_up(outside, align), self.nbytes - align)
@@ -485,6 +484,8 @@ class Budget:
                  f"{_fmt(self.arena.nbytes)} (temporaries of ops without an in-place kernel, kernels' "
                  f"scratch): {_fmt(self.arena.nbytes + outside)} in all, over the budget{then}",
                  FootprintExceeded)
+        else:
+            self._warn_later(outside, counted)
         if not self._learns:
             return
         if outside is None:  # not observed (settled, another profiler was on, or the block failed)

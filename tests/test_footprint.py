@@ -279,6 +279,21 @@ def test_a_block_run_under_the_users_profiler_is_not_observed():
     assert not budget.stats.footprint_observed and budget.headroom == 0
 
 
+def test_a_block_over_the_budget_that_was_not_observed_warns_by_the_engines_count():
+    """A first block run under the user's own profiler is not observed (profilers do not nest), yet it runs with
+    the whole budget as its arena and its temporaries outside it: the engine's own count tells that it went over,
+    and the Budget warns of it as of any block over the budget."""
+    budget = coop_arena.Budget(int(0.6 * plain_footprint("cnn")), device="cpu")
+    model = build("cnn")
+    x, y = batch("cnn", 0)
+    with pytest.warns(coop_arena.FootprintExceeded, match="by the engine's own count"):
+        with torch.profiler.profile():
+            with budget:
+                loss_fn("cnn", model(x), y).backward()
+    st = budget.stats
+    assert not st.footprint_observed and st.footprint_peak > st.cap and st.temporary_peak > 0
+
+
 def test_measure_leaves_out_what_is_kept_and_counts_what_is_freed():
     def f():
         tmp = torch.empty(1 << 20, dtype=torch.uint8)
