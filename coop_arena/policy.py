@@ -165,7 +165,7 @@ def compiled_window():
     if not _COMPILED:
         found = []
 
-        def load():
+        def import_and_compile():
             try:
                 from .compiled import load, window
                 load()
@@ -176,7 +176,7 @@ def compiled_window():
                 window = None
             found.append(window)
 
-        helper = threading.Thread(target=load, name="coop_arena compile")
+        helper = threading.Thread(target=import_and_compile, name="coop_arena compile")
         helper.start()
         helper.join()
         _COMPILED.append(found[0] if found else None)
